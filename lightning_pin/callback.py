@@ -1,0 +1,237 @@
+"""PinCallback: the thin Lightning adapter. Its hooks decide *when*; the engine does the work."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_pin.engine import PinEngine
+from lightning_pin.errors import PinError
+from lightning_pin.plan import resolve
+from lightning_pin.spec import Pin
+
+_VERIFY_CHOICES = ("step", "epoch", "end", "never")
+
+
+class PinCallback(Callback):
+    r"""Pin chosen parameters, whole tensors or single elements, to exact values while training.
+
+    After every optimizer step and at the end of training, each pinned element equals its target
+    bit for bit, whatever the optimizer, precision, accumulation, clipping or strategy:
+
+    - values of a pin are forced in ``on_train_batch_start`` of the first step where it is
+      active, so that step's forward already sees them, and the optimizer statistics of its
+      elements (momentum, Adam moments, ...) are zeroed;
+    - gradients of pinned elements are zeroed in ``on_before_optimizer_step`` (after the DDP
+      all-reduce and the AMP unscale, before clipping), keeping them out of momentum, adaptive
+      statistics and the clip norm; wholly pinned tensors get ``grad = None`` so optimizers skip
+      them entirely;
+    - targets are written back by a step post-hook on every optimizer, right after each real
+      step, which undoes weight decay and any leftover momentum.
+
+    Pins are resolved on ``trainer.lightning_module``, the object actually trained, at fit start,
+    and every bad spec raises :class:`~lightning_pin.PinError` before any weight changes.
+
+    Args:
+        pins: :class:`~lightning_pin.Pin`\ s, or mappings with the same keys (Hydra / YAML).
+        strict: Raise when a checkpoint holds pin state this callback cannot match (otherwise warn
+            and start those pins afresh).
+        verify: When to check that every active pinned element is on target, raising
+            :class:`~lightning_pin.PinError` if not: after every ``"step"``, at the end of every
+            training ``"epoch"``, at the ``"end"`` of training (default), or ``"never"``.
+        verbose: Print the summary of what is pinned at fit start (rank zero).
+
+    Example::
+
+        >>> import lightning as L
+        >>> from lightning_pin import Pin, PinCallback
+        >>> cb = PinCallback([
+        ...     Pin("encoder.*"),                                        # freeze the encoder
+        ...     Pin("head.weight", indices=[(0, 1), (2, 3)], value=[25.0, 5.0]),
+        ...     Pin("head.bias", value=0.0, start_step=100),             # zero it from step 100
+        ... ])
+        >>> trainer = L.Trainer(callbacks=[cb])  # doctest: +SKIP
+        >>> trainer.fit(model)  # doctest: +SKIP
+        >>> cb.verify(model)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        pins: Union[Pin, Mapping[str, Any], Sequence[Union[Pin, Mapping[str, Any]]]] = (),
+        strict: bool = True,
+        verify: Literal["step", "epoch", "end", "never"] = "end",
+        verbose: bool = True,
+    ) -> None:
+        if isinstance(pins, (Pin, Mapping)):
+            pins = [pins]
+        if isinstance(pins, (str, bytes)) or not isinstance(pins, Sequence):
+            raise PinError(f"pins must be a Pin, a mapping or a list of them, got {type(pins).__name__}")
+        if verify not in _VERIFY_CHOICES:
+            raise PinError(f"verify must be one of {_VERIFY_CHOICES}, got {verify!r}")
+        self.pins: list[Pin] = [Pin.from_config(p) for p in pins]
+        self.strict = strict
+        self.verify_at = verify
+        self.verbose = verbose
+        self.engine: Optional[PinEngine] = None
+        self._loaded_state: Optional[dict[str, Any]] = None
+        self._handles: list[Any] = []
+        self._when_hits: frozenset[int] = frozenset()
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # Derived from the specs, so a resume with the same pins finds its state and two
+        # callbacks with different pins keep theirs apart.
+        return self._generate_state_key(pins=[p.fingerprint() for p in self.pins])
+
+    # ------------------------------------------------------------------------------------------
+    # Set-up and tear-down
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        module = trainer.lightning_module
+        plan = resolve(self.pins, module, warn=rank_zero_warn)
+        self.engine = PinEngine(plan)
+        if self._loaded_state is not None:
+            self.engine.load_state_dict(self._loaded_state, strict=self.strict, warn=rank_zero_warn)
+            self._loaded_state = None
+        if plan.pins:
+            self._handles = self.engine.attach(trainer.optimizers)
+            if self.verify_at == "step":
+                self.engine._after_restore.append(self._check)
+        if self.verbose and plan.pins:
+            rank_zero_info(f"PinCallback: pins resolved on {type(module).__name__}\n{plan.summary()}")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # On resume the active pins' targets come from the callback state: make the weights the
+        # first forward sees hold them, whatever the checkpoint's weights were.
+        if self.engine is not None:
+            self.engine.force()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self.engine is not None:
+            self.engine.detach()
+            self.engine._after_restore.clear()
+
+    # ------------------------------------------------------------------------------------------
+    # The step
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.engine is None or not self.engine.plan.pins:
+            return
+        self._when_hits = self._evaluate_when(trainer, pl_module, batch, batch_idx)
+        self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        if self.engine is None or not self.engine.plan.pins:
+            return
+        # Under manual optimization global_step moves inside a batch: re-check the windows.
+        self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
+        self.engine.mask_grads(optimizer)
+
+    def _evaluate_when(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> frozenset[int]:
+        step = trainer.global_step
+        candidates = [i for i, rp in enumerate(self.engine.plan.pins) if rp.when is not None and rp.in_window(step)]
+        if not candidates:
+            return frozenset()
+        hits = [bool(self.engine.plan.pins[i].when(batch, batch_idx)) for i in candidates]
+        if trainer.world_size > 1:
+            # Each rank sees its own batch. A pin must hold on every rank or on none, or the
+            # replicas diverge: it is active if any rank's batch asks for it.
+            flags = torch.tensor(hits, dtype=torch.int32, device=pl_module.device)
+            hits = [bool(x) for x in trainer.strategy.reduce(flags, reduce_op="max").tolist()]
+        return frozenset(i for i, hit in zip(candidates, hits) if hit)
+
+    # ------------------------------------------------------------------------------------------
+    # Checks
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.verify_at == "epoch":
+            self._check()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.verify_at in ("epoch", "end"):
+            self._check()
+
+    def _check(self) -> None:
+        if self.engine is not None and self.engine.last_step_active is not None:
+            self._raise_if_off(self.engine.violations(pin_ids=self.engine.last_step_active))
+
+    def verify(self, module: Optional[nn.Module] = None) -> None:
+        """Raise :class:`~lightning_pin.PinError` naming every pinned element that is off target.
+
+        Checks every pin that was active at the last optimizer step (or, before any step, every
+        pin active now) against ``module``'s parameters, by name; ``module`` defaults to the
+        module the pins were resolved on.
+        """
+        if self.engine is None:
+            raise PinError("verify() needs a PinCallback that has been fitted: call trainer.fit(...) first")
+        pin_ids = self.engine.last_step_active
+        if pin_ids is None:
+            pin_ids = self.engine.active
+        parameters = None if module is None else dict(module.named_parameters())
+        self._raise_if_off(self.engine.violations(parameters, pin_ids))
+
+    @staticmethod
+    def _raise_if_off(violations: list) -> None:
+        if violations:
+            total = sum(v.count for v in violations)
+            raise PinError(f"{total} pinned element(s) off target:\n" + "\n".join(f"  {v}" for v in violations))
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.engine is None:
+            return dict(self._loaded_state or {})
+        return self.engine.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Loaded before on_fit_start resolves the plan: keep it until then.
+        self._loaded_state = state_dict
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Lightning silently skips callback state whose key matches no callback. Pin state that
+        # no PinCallback of this trainer claims means targets would be lost: refuse instead.
+        saved = [k for k in checkpoint.get("callbacks", {}) if isinstance(k, str) and k.startswith("PinCallback")]
+        ours = {cb.state_key for cb in trainer.callbacks if isinstance(cb, PinCallback)}
+        unmatched = [k for k in saved if k not in ours]
+        if unmatched and self.strict and self is _first_pin_callback(trainer):
+            raise PinError(
+                f"the checkpoint holds pin state {unmatched} that no PinCallback of this trainer matches "
+                f"(theirs: {sorted(ours)}). Resume with the same pins, or pass strict=False to drop it."
+            )
+        if unmatched and not self.strict:
+            rank_zero_warn(f"PinCallback(strict=False): dropping saved pin state {unmatched}")
+
+
+def _first_pin_callback(trainer: pl.Trainer) -> Optional[PinCallback]:
+    return next((cb for cb in trainer.callbacks if isinstance(cb, PinCallback)), None)

@@ -1,0 +1,478 @@
+"""Tensor mechanics on a :class:`~lightning_pin.plan.PinPlan`, with torch only (no Lightning).
+
+:class:`PinEngine` masks the gradients of pinned elements before an optimizer step, restores
+pinned values right after it (from a ``register_step_post_hook``), zeroes the optimizer
+statistics of elements whose pin activates, and checks values against their targets. A plain
+PyTorch loop uses it as::
+
+    engine = PinEngine(resolve(pins, model))
+    handles = engine.attach([optimizer])      # restores after every optimizer.step()
+    for step, batch in enumerate(loader):
+        engine.set_active(engine.ids_at(step))  # forces values of pins that start now
+        loss(model(batch)).backward()
+        engine.mask_grads(optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_pin.errors import PinError
+from lightning_pin.plan import PinPlan, Selection
+
+#: Per-element optimizer statistics that push an element, zeroed when a step-window pin activates.
+#: Step sizes (Rprop ``step_size``) and weight averages (ASGD ``ax``) are left alone.
+OPTIMIZER_STATE_KEYS = (
+    "momentum_buffer",
+    "exp_avg",
+    "exp_avg_sq",
+    "max_exp_avg_sq",
+    "square_avg",
+    "grad_avg",
+    "acc_delta",
+    "sum",
+    "prev",
+)
+
+# Optimizers that leave a parameter whose grad is None completely alone (no update, no weight
+# decay, no state change). Exact types only: a subclass may override step(). For these, a
+# whole-tensor pin whose grad was dropped needs no restore after the step.
+_SKIPS_NONE_GRADS = frozenset(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop",
+        "Adafactor",
+    )
+    if hasattr(torch.optim, name)
+)
+
+
+@dataclasses.dataclass
+class Target:
+    """The merged targets of one parameter under one set of active pins."""
+
+    name: str
+    parameter: nn.Parameter
+    #: Sorted flat (row-major) indices, or None for the whole tensor.
+    index: Tensor | None
+    #: One value per index, or of the parameter's shape when ``index`` is None.
+    values: Tensor
+    #: Storage-order indices for tensors that are not contiguous (e.g. channels_last), by strides.
+    _by_strides: dict[tuple[int, ...], Tensor] = dataclasses.field(default_factory=dict)
+
+    def flat(self, tensor: Tensor) -> tuple[Tensor, Tensor]:
+        """A 1-D view of ``tensor``'s elements and the positions of the pinned ones in it."""
+        return flat_view(tensor, self.index, self._by_strides)
+
+
+@dataclasses.dataclass
+class Violation:
+    """Pinned elements of one parameter found off target."""
+
+    name: str
+    count: int
+    #: Up to a few ``(coordinates, actual, target)`` examples.
+    examples: list[tuple[tuple[int, ...], float, float]]
+
+    def __str__(self) -> str:
+        shown = ", ".join(f"{c}: {a!r} != {t!r}" for c, a, t in self.examples)
+        return f"{self.name}: {self.count} element(s) off target ({shown}{', ...' if self.count > len(self.examples) else ''})"
+
+
+def flat_view(tensor: Tensor, index: Tensor, cache: dict | None = None) -> tuple[Tensor, Tensor]:
+    """A 1-D view of ``tensor``'s storage and the storage positions of row-major ``index``.
+
+    Contiguous tensors need no translation. Dense but permuted ones (channels_last weights and
+    their grads) get the positions recomputed once per stride pattern and cached in ``cache``.
+    """
+    if tensor.is_contiguous():
+        return tensor.view(-1), index
+    strides = tensor.stride()
+    positions = None if cache is None else cache.get(strides)
+    if positions is None:
+        if not _is_dense(tensor):
+            raise PinError(f"cannot pin elements of a tensor with overlapping or gapped strides {strides}")
+        coords = torch.stack(torch.unravel_index(index, tensor.shape), dim=1)
+        positions = (coords * torch.tensor(strides, device=coords.device)).sum(1)
+        if cache is not None:
+            cache[strides] = positions
+    return tensor.as_strided((tensor.numel(),), (1,)), positions
+
+
+def _is_dense(tensor: Tensor) -> bool:
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda s: s[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class PinEngine:
+    """Executes a :class:`PinPlan`: activation, gradient masking, restoring, optimizer state.
+
+    Args:
+        plan: The resolved pins.
+        whole_grads: What to do with the gradient of a wholly pinned tensor: ``"drop"`` sets it to
+            ``None`` so every torch optimizer skips the tensor (state and weight decay included);
+            ``"zero"`` fills it with zeros (for sharded parameters that need optimizer state).
+    """
+
+    def __init__(self, plan: PinPlan, *, whole_grads: str = "drop") -> None:
+        if whole_grads not in ("drop", "zero"):
+            raise PinError(f"whole_grads must be 'drop' or 'zero', got {whole_grads!r}")
+        self.plan = plan
+        self.whole_grads = whole_grads
+        #: Ids (positions in ``plan.pins``) of the pins active now.
+        self.active: frozenset[int] = frozenset()
+        #: Ids of the pins that were active at the last optimizer step, None before any step.
+        self.last_step_active: frozenset[int] | None = None
+        #: Targets captured at activation for pins with ``value=None``: pin id -> name -> values.
+        self.captured: dict[int, dict[str, Tensor]] = {}
+        self._targets: dict[frozenset[int], list[Target]] = {}
+        self._optimizer_names: dict[int, frozenset[str]] = {}
+        self._optimizers: list[Optimizer] = []
+        self._dropped: set[str] = set()
+        self._after_restore: list[Callable[[], None]] = []
+
+    # ----------------------------------------------------------------------------------------
+    # Which pins are active
+
+    def ids_at(self, step: int, when_hits: Iterable[int] = ()) -> frozenset[int]:
+        """Pins active at optimizer step ``step``; ``when`` pins only if their id is in ``when_hits``."""
+        hits = set(when_hits)
+        return frozenset(
+            i for i, rp in enumerate(self.plan.pins) if rp.in_window(step) and (rp.when is None or i in hits)
+        )
+
+    def set_active(self, pin_ids: Iterable[int]) -> list[int]:
+        """Make exactly ``pin_ids`` active; activate (capture, force, reset state) those that start."""
+        new = frozenset(pin_ids)
+        started = sorted(new - self.active)
+        self.active = new
+        if started:
+            self._activate(started)
+        return started
+
+    @torch.no_grad()
+    def _activate(self, started: Sequence[int]) -> None:
+        for pin_id in started:
+            rp = self.plan.pins[pin_id]
+            to_capture = {name: s for name, s in rp.selections.items() if s.values is None}
+            if to_capture:
+                self.captured[pin_id] = {name: self._read(s) for name, s in to_capture.items()}
+                self._forget(pin_id)
+        touched = {name for pin_id in started for name in self.plan.pins[pin_id].selections}
+        self._write([t for t in self.targets() if t.name in touched])
+        step_window_pins = [i for i in started if self.plan.pins[i].when is None]
+        for optimizer in self._optimizers:
+            self.reset_optimizer_state(optimizer, step_window_pins)
+
+    def _forget(self, pin_id: int) -> None:
+        for key in [k for k in self._targets if pin_id in k]:
+            del self._targets[key]
+
+    # ----------------------------------------------------------------------------------------
+    # Targets
+
+    def targets(self, pin_ids: Iterable[int] | None = None) -> list[Target]:
+        """Per parameter, the merged targets of ``pin_ids`` (default: the active pins).
+
+        An explicit value beats a captured one on the same element (the plan has already
+        rejected two different explicit values that can be active together).
+        """
+        key = self.active if pin_ids is None else frozenset(pin_ids)
+        if key not in self._targets:
+            self._targets[key] = self._merge(key)
+        return self._targets[key]
+
+    def _merge(self, pin_ids: frozenset[int]) -> list[Target]:
+        # Lowest priority first: captured values, then explicit ones; later entries win.
+        parts: dict[str, list[tuple[Tensor | None, Tensor]]] = {}
+        for explicit in (False, True):
+            for pin_id in sorted(pin_ids):
+                for name, selection in self.plan.pins[pin_id].selections.items():
+                    values = selection.values if explicit else self.captured.get(pin_id, {}).get(name)
+                    if (selection.values is not None) == explicit and values is not None:
+                        parts.setdefault(name, []).append((selection.index, values))
+        merged = []
+        for name, entries in parts.items():
+            parameter = self.plan.parameters[name]
+            index, values = _merge_entries(entries)
+            merged.append(Target(name, parameter, index, values))
+        return merged
+
+    # ----------------------------------------------------------------------------------------
+    # The optimizer step
+
+    def attach(self, optimizers: Sequence[Optimizer]) -> list[RemovableHandle]:
+        """Restore pinned values after every ``step()`` of each optimizer; returns the hook handles."""
+        handles = []
+        by_param = {id(p): name for name, p in self.plan.parameters.items()}
+        for optimizer in optimizers:
+            names = frozenset(
+                by_param[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in by_param
+            )
+            self._optimizer_names[id(optimizer)] = names
+            self._optimizers.append(optimizer)
+            handles.append(optimizer.register_step_post_hook(self._post_step_hook))
+        return handles
+
+    def detach(self) -> None:
+        """Forget the attached optimizers (call after removing the handles ``attach`` returned)."""
+        self._optimizers.clear()
+        self._optimizer_names.clear()
+        self._dropped.clear()
+
+    def _post_step_hook(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self.restore(optimizer)
+
+    def _owned(self, optimizer: Optimizer | None) -> list[Target]:
+        targets = self.targets()
+        names = None if optimizer is None else self._optimizer_names.get(id(optimizer))
+        return targets if names is None else [t for t in targets if t.name in names]
+
+    @torch.no_grad()
+    def mask_grads(self, optimizer: Optimizer | None = None) -> None:
+        """Zero the gradients of active pinned elements of ``optimizer``'s parameters (default: all).
+
+        Call after backward (and any gradient all-reduce) and before clipping and the step, so
+        pinned gradients stay out of momentum, adaptive statistics and the clip norm.
+        """
+        for target in self._owned(optimizer):
+            grad = target.parameter.grad
+            if grad is None:
+                continue
+            if target.index is None:
+                if self.whole_grads == "drop":
+                    target.parameter.grad = None
+                    self._dropped.add(target.name)
+                else:
+                    grad.zero_()
+            else:
+                flat, index = target.flat(grad)
+                # index_fill_, not a multiply: 0 * inf is NaN.
+                flat.index_fill_(0, index, 0)
+
+    @torch.no_grad()
+    def restore(self, optimizer: Optimizer | None = None) -> None:
+        """Write the targets of active pins into ``optimizer``'s parameters (default: all)."""
+        skips = optimizer is not None and type(optimizer) in _SKIPS_NONE_GRADS
+        todo = []
+        for target in self._owned(optimizer):
+            if skips and target.index is None and target.name in self._dropped:
+                continue  # the optimizer skipped this tensor: it still holds its target
+            todo.append(target)
+        self._dropped.difference_update(t.name for t in self._owned(optimizer))
+        self._write(todo)
+        self.last_step_active = self.active
+        for callback in self._after_restore:
+            callback()
+
+    def _write(self, targets: Iterable[Target]) -> None:
+        for target in targets:
+            data = target.parameter.data
+            if target.index is None:
+                data.copy_(target.values)
+            else:
+                flat, index = target.flat(data)
+                flat.index_copy_(0, index, target.values)
+
+    def force(self) -> None:
+        """Write the targets of every active pin now (e.g. after loading weights on resume)."""
+        with torch.no_grad():
+            self._write(self.targets())
+
+    @torch.no_grad()
+    def reset_optimizer_state(self, optimizer: Optimizer, pin_ids: Iterable[int]) -> None:
+        """Zero the statistics in :data:`OPTIMIZER_STATE_KEYS` of the elements the pins select."""
+        for pin_id in pin_ids:
+            for selection in self.plan.pins[pin_id].selections.values():
+                state = optimizer.state.get(selection.parameter)
+                if not state:
+                    continue
+                for key in OPTIMIZER_STATE_KEYS:
+                    buffer = state.get(key)
+                    if isinstance(buffer, Tensor) and buffer.shape == selection.parameter.shape:
+                        _fill(buffer, selection, 0)
+
+    # ----------------------------------------------------------------------------------------
+    # Checking
+
+    @staticmethod
+    def _read(selection: Selection) -> Tensor:
+        data = selection.parameter.detach()
+        if selection.index is None:
+            return data.clone()
+        flat, index = flat_view(data, selection.index)
+        return flat.index_select(0, index)
+
+    @torch.no_grad()
+    def violations(
+        self, parameters: Mapping[str, Tensor] | None = None, pin_ids: Iterable[int] | None = None, examples: int = 5
+    ) -> list[Violation]:
+        """Pinned elements off target, per parameter (``torch.equal`` semantics, bit for bit).
+
+        ``parameters`` maps names to tensors to check (default: the planned parameters);
+        ``pin_ids`` defaults to the active pins.
+        """
+        found = []
+        for target in self.targets(pin_ids):
+            tensor = target.parameter if parameters is None else parameters.get(target.name)
+            if tensor is None:
+                raise PinError(f"verify: the module has no parameter {target.name!r}, which is pinned")
+            tensor = tensor.detach()
+            values = target.values.to(tensor.device)
+            if target.index is None:
+                actual, expected, index = tensor.reshape(-1), values.reshape(-1), None
+            else:
+                flat, index = target.flat(tensor)
+                actual, expected = flat.index_select(0, index), values
+            off = actual != expected
+            if bool(off.any()):
+                where = off.nonzero().squeeze(1)[:examples]
+                flat_at = where if index is None else index[where]
+                coords = torch.stack(torch.unravel_index(flat_at, tensor.shape), dim=1).tolist()
+                shown = [
+                    (tuple(c), actual[w].item(), expected[w].item()) for c, w in zip(coords, where.tolist())
+                ]
+                found.append(Violation(target.name, int(off.sum()), shown))
+        return found
+
+    # ----------------------------------------------------------------------------------------
+    # Checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        """Selections, targets and activity: tensors, lists, dicts and primitives only."""
+        pins = []
+        for pin_id, rp in enumerate(self.plan.pins):
+            entry = {}
+            for name, selection in rp.selections.items():
+                target = selection.values if selection.values is not None else self.captured.get(pin_id, {}).get(name)
+                entry[name] = {
+                    "index": None if selection.index is None else selection.index.detach().cpu().clone(),
+                    "target": None if target is None else target.detach().cpu().clone(),
+                    "explicit": selection.values is not None,
+                }
+            pins.append(entry)
+        return {
+            "version": 1,
+            "fingerprints": [rp.pin.fingerprint() for rp in self.plan.pins],
+            "active": sorted(self.active),
+            "last_step_active": None if self.last_step_active is None else sorted(self.last_step_active),
+            "pins": pins,
+        }
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, strict: bool = True, warn: Callable[[str], Any] | None = None
+    ) -> None:
+        """Take selections, captured targets and activity from :meth:`state_dict`.
+
+        Saved state that does not match the plan raises :class:`PinError` when ``strict``; with
+        ``strict=False`` the mismatching pins are reported through ``warn`` and start afresh.
+        """
+        problems: list[str] = []
+        saved_pins = list(state.get("pins", []))
+        fingerprints = list(state.get("fingerprints", []))
+        if len(saved_pins) != len(self.plan.pins):
+            problems.append(f"the checkpoint holds {len(saved_pins)} pins, the callback has {len(self.plan.pins)}")
+        usable: set[int] = set()
+        for pin_id, rp in enumerate(self.plan.pins[: len(saved_pins)]):
+            pin_problems = self._check_saved_pin(pin_id, saved_pins[pin_id])
+            if pin_id < len(fingerprints) and fingerprints[pin_id] != rp.pin.fingerprint():
+                pin_problems.insert(0, "its spec changed")
+            if pin_problems:
+                problems.append(f"{rp.pin!r}: " + "; ".join(pin_problems))
+            else:
+                usable.add(pin_id)
+        if problems and strict:
+            raise PinError(
+                "the checkpoint's pin state does not match this PinCallback: "
+                + " | ".join(problems)
+                + ". Resume with the pins the checkpoint was trained with, or pass strict=False to start "
+                "the mismatching pins afresh."
+            )
+        for problem in problems:
+            (warn or (lambda m: None))(f"PinCallback(strict=False) ignores saved pin state: {problem}")
+        for pin_id in usable:
+            rp = self.plan.pins[pin_id]
+            captured = {}
+            for name, selection in rp.selections.items():
+                target = saved_pins[pin_id][name]["target"]
+                if selection.values is None and target is not None:
+                    captured[name] = target.to(device=selection.parameter.device, dtype=selection.parameter.dtype)
+            if captured:
+                self.captured[pin_id] = captured
+                self._forget(pin_id)
+        self.active = frozenset(i for i in state.get("active", []) if i in usable)
+        last = state.get("last_step_active")
+        self.last_step_active = None if last is None else frozenset(i for i in last if i in usable)
+
+    def _check_saved_pin(self, pin_id: int, saved: Mapping[str, Any]) -> list[str]:
+        rp = self.plan.pins[pin_id]
+        problems = []
+        if set(saved) != set(rp.selections):
+            return [f"saved for parameters {sorted(saved)}, now matches {sorted(rp.selections)}"]
+        for name, selection in rp.selections.items():
+            entry = saved[name]
+            index = entry.get("index")
+            if (index is None) != (selection.index is None) or (
+                index is not None and not torch.equal(index, selection.index.cpu())
+            ):
+                problems.append(f"the selected elements of {name!r} differ")
+                continue
+            target = entry.get("target")
+            if target is None:
+                continue
+            if tuple(target.shape) != (tuple(selection.parameter.shape) if index is None else (index.numel(),)):
+                problems.append(f"the saved targets of {name!r} have shape {tuple(target.shape)}")
+                continue
+            stored = target.to(selection.parameter.dtype)
+            if not torch.equal(stored.to(target.dtype), target):
+                problems.append(f"the saved targets of {name!r} do not fit {selection.parameter.dtype}")
+            elif selection.values is not None and not torch.equal(stored, selection.values.cpu()):
+                problems.append(f"the explicit values for {name!r} differ from the saved ones")
+        return problems
+
+
+def _fill(tensor: Tensor, selection: Selection, value: float) -> None:
+    if selection.index is None:
+        tensor.fill_(value)
+    else:
+        flat, index = flat_view(tensor, selection.index)
+        flat.index_fill_(0, index, value)
+
+
+def _merge_entries(entries: Sequence[tuple[Tensor | None, Tensor]]) -> tuple[Tensor | None, Tensor]:
+    """Merge ``(index, values)`` entries, later ones winning; ``index=None`` means the whole tensor."""
+    if len(entries) == 1:
+        return entries[0]
+    wholes = [i for i, (index, _) in enumerate(entries) if index is None]
+    if wholes:
+        first = wholes[0]
+        full = entries[first][1].clone()
+        flat = full.view(-1)
+        for index, values in entries[first + 1 :]:
+            if index is None:
+                full.copy_(values)
+            else:
+                flat.index_copy_(0, index, values)
+        return None, full
+    index = torch.cat([e[0] for e in entries])
+    values = torch.cat([e[1] for e in entries])
+    order = torch.argsort(index, stable=True)
+    index, values = index[order], values[order]
+    unique, counts = torch.unique_consecutive(index, return_counts=True)
+    last = counts.cumsum(0) - 1
+    return unique, values[last]

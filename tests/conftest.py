@@ -1,0 +1,16 @@
+import os
+import warnings
+
+import pytest
+import torch
+
+# Tiny models on 2-core machines run far faster single-threaded.
+torch.set_num_threads(1)
+os.environ.setdefault("PL_DISABLE_FORK", "1")
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*GPU available but not used.*")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
