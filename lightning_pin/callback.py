@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
@@ -84,6 +88,9 @@ class PinCallback(Callback):
         self._loaded_state: Optional[dict[str, Any]] = None
         self._handles: list[Any] = []
         self._when_hits: frozenset[int] = frozenset()
+        # Under ddp_spawn this object is pickled into the workers and the copy in the main
+        # process never runs a hook; rank 0 leaves its state in this file for verify().
+        self._handoff = os.path.join(tempfile.gettempdir(), f"lightning_pin-{uuid.uuid4().hex}.pt")
 
     @property
     @override
@@ -116,6 +123,15 @@ class PinCallback(Callback):
         # first forward sees hold them, whatever the checkpoint's weights were.
         if self.engine is not None:
             self.engine.force()
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if (
+            isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
+            and trainer.local_rank == 0
+            and self.engine is not None
+        ):
+            torch.save(self.engine.state_dict(), self._handoff)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -187,6 +203,8 @@ class PinCallback(Callback):
         pin active now) against ``module``'s parameters, by name; ``module`` defaults to the
         module the pins were resolved on.
         """
+        if self.engine is None and module is not None and os.path.exists(self._handoff):
+            self._adopt_worker_state(module)
         if self.engine is None:
             raise PinError("verify() needs a PinCallback that has been fitted: call trainer.fit(...) first")
         pin_ids = self.engine.last_step_active
@@ -194,6 +212,14 @@ class PinCallback(Callback):
             pin_ids = self.engine.active
         parameters = None if module is None else dict(module.named_parameters())
         self._raise_if_off(self.engine.violations(parameters, pin_ids))
+
+    def _adopt_worker_state(self, module: nn.Module) -> None:
+        """Take over the state a spawned rank 0 left behind (see ``on_fit_end``)."""
+        state = torch.load(self._handoff, map_location="cpu", weights_only=True)
+        os.remove(self._handoff)
+        engine = PinEngine(resolve(self.pins, module, warn=lambda message: None))
+        engine.load_state_dict(state, strict=True)
+        self.engine = engine
 
     @staticmethod
     def _raise_if_off(violations: list) -> None:
