@@ -88,6 +88,40 @@ class Violation:
         return f"{self.name}: {self.count} element(s) off target ({shown}{', ...' if self.count > len(self.examples) else ''})"
 
 
+@dataclasses.dataclass
+class StepStats:
+    """Pinned elements at one optimizer step, as 0-d device tensors (read them only to log)."""
+
+    #: Largest ``|value - target|`` after the optimizer's update, before the restore.
+    drift_max: Tensor
+    #: Sum of ``|value - target|`` over the pinned elements, after the update, before the restore.
+    drift_sum: Tensor
+    #: Pinned elements measured (those of tensors the optimizer skipped count with drift 0).
+    elements: int
+    #: Pinned elements off target after the restore (0 unless something is badly wrong).
+    violations: Tensor
+
+    @property
+    def drift_mean(self) -> Tensor:
+        return self.drift_sum / max(self.elements, 1)
+
+
+def _step_stats(
+    owned: Sequence[Target], untouched: Sequence[Target], moved: Sequence[Tensor], after: Sequence[Tensor]
+) -> StepStats:
+    device = owned[0].values.device if owned else torch.device("cpu")
+    zero = torch.zeros((), device=device)
+    elements = sum(t.values.numel() for t in owned)
+    if not moved:
+        return StepStats(zero, zero, elements, zero.long())
+    return StepStats(
+        drift_max=torch.stack([m.max() for m in moved]).max().to(device),
+        drift_sum=torch.stack([m.sum() for m in moved]).sum().to(device),
+        elements=elements,
+        violations=torch.stack([(a != 0).sum() for a in after]).sum().to(device),
+    )
+
+
 def flat_view(tensor: Tensor, index: Tensor, cache: dict | None = None) -> tuple[Tensor, Tensor]:
     """A 1-D view of ``tensor``'s storage and the storage positions of row-major ``index``.
 
@@ -145,6 +179,11 @@ class PinEngine:
         self._optimizers: list[Optimizer] = []
         self._dropped: set[str] = set()
         self._after_restore: list[Callable[[], None]] = []
+        #: Measure drift and violations at the next restores (set it only on logging steps:
+        #: measuring costs a read of the pinned elements).
+        self.measure = False
+        #: What the last measured restore found; device tensors, nothing synced to the host.
+        self.last_stats: StepStats | None = None
 
     # ----------------------------------------------------------------------------------------
     # Which pins are active
@@ -267,18 +306,36 @@ class PinEngine:
 
     @torch.no_grad()
     def restore(self, optimizer: Optimizer | None = None) -> None:
-        """Write the targets of active pins into ``optimizer``'s parameters (default: all)."""
+        """Write the targets of active pins into ``optimizer``'s parameters (default: all).
+
+        With :attr:`measure` set, also records :attr:`last_stats` for this call: how far the
+        update moved the pinned elements, and how many are off target after the restore.
+        """
+        owned = self._owned(optimizer)
         skips = optimizer is not None and type(optimizer) in _SKIPS_NONE_GRADS
-        todo = []
-        for target in self._owned(optimizer):
-            if skips and target.index is None and target.name in self._dropped:
-                continue  # the optimizer skipped this tensor: it still holds its target
-            todo.append(target)
-        self._dropped.difference_update(t.name for t in self._owned(optimizer))
+        # A wholly pinned tensor whose grad was dropped was skipped by such an optimizer: it
+        # still holds its target, and copying it back would cost a full pass over it.
+        untouched = [t for t in owned if skips and t.index is None and t.name in self._dropped]
+        todo = [t for t in owned if not (skips and t.index is None and t.name in self._dropped)]
+        self._dropped.difference_update(t.name for t in owned)
+        moved = [self._deviation(t) for t in todo] if self.measure else None
         self._write(todo)
+        if moved is not None:
+            self.last_stats = _step_stats(owned, untouched, moved, [self._deviation(t) for t in todo])
         self.last_step_active = self.active
         for callback in self._after_restore:
             callback()
+
+    def _deviation(self, target: Target) -> Tensor:
+        """``|value - target|`` of the pinned elements of ``target``, flat, in float32 or wider."""
+        data = target.parameter.detach()
+        if target.index is None:
+            actual, expected = data.reshape(-1), target.values.reshape(-1)
+        else:
+            flat, index = target.flat(data)
+            actual, expected = flat.index_select(0, index), target.values
+        deviation = (actual - expected).abs()
+        return deviation if deviation.dtype in (torch.float32, torch.float64) else deviation.float()
 
     def _write(self, targets: Iterable[Target]) -> None:
         for target in targets:
