@@ -154,9 +154,10 @@ def resolve(
             raise PinError(f"expected a Pin, got {type(pin).__name__}: {pin!r}")
         when = _check_pin_fields(pin)
         selections: dict[str, Selection] = {}
-        for name in _match(pin, named):
-            selection = _select(pin, name, named[name], files)
-            selection.values = _targets(pin, selection, files, warn)
+        matched = _match(pin, named)
+        for name in matched:
+            selection = _select(pin, name, named[name], files, matched)
+            selection.values = _targets(pin, selection, files, warn, matched)
             if selection.index is not None:
                 selection.index = selection.index.to(named[name].device)
             selections[name] = selection
@@ -206,7 +207,10 @@ def resolve_when(pin: Pin) -> Callable[[Any, int], bool] | None:
             for part in attr.split("."):
                 target = getattr(target, part)
         except (ImportError, AttributeError) as err:
-            raise PinError(f"{pin!r}: cannot import when={when!r}: {err}") from err
+            raise PinError(
+                f"{pin!r}: cannot import when={when!r}: {err}; give 'package.module.function' of a function "
+                "importable in every process"
+            ) from err
         if callable(target):
             return target
     raise PinError(f"{pin!r}: when must be callable(batch, batch_idx) -> bool or its import path, got {when!r}")
@@ -252,13 +256,15 @@ def _match(pin: Pin, named: Mapping[str, nn.Parameter]) -> list[str]:
 # Selecting elements
 
 
-def _select(pin: Pin, name: str, parameter: nn.Parameter, files: dict[str, Any]) -> Selection:
+def _select(
+    pin: Pin, name: str, parameter: nn.Parameter, files: dict[str, Any], matched: Sequence[str]
+) -> Selection:
     shape = tuple(parameter.shape)
     if pin.indices is not None:
         flat = _flat_from_indices(pin, name, shape, pin.indices)
         how = "indices"
     elif pin.mask is not None:
-        mask = _by_name(pin, "mask", name, _load(pin, "mask", pin.mask, files))
+        mask = _by_name(pin, "mask", name, _load(pin, "mask", pin.mask, files), matched)
         if not isinstance(mask, Tensor):
             raise PinError(f"{pin!r}: mask for {name!r} must be a bool tensor of shape {shape}, got {type(mask).__name__}")
         if mask.dtype != torch.bool:
@@ -350,12 +356,12 @@ def _clip(value: Any) -> str:
 
 
 def _targets(
-    pin: Pin, selection: Selection, files: dict[str, Any], warn: Callable[[str], Any]
+    pin: Pin, selection: Selection, files: dict[str, Any], warn: Callable[[str], Any], matched: Sequence[str]
 ) -> Tensor | None:
     """Sort and dedupe ``selection.index`` in place, and return its explicit targets (or None)."""
     name, parameter = selection.name, selection.parameter
-    raw = None if pin.value is None else _by_name(pin, "value", name, _load(pin, "value", pin.value, files))
-    values = None if raw is None else _value_tensor(pin, selection, raw)
+    raw = None if pin.value is None else _by_name(pin, "value", name, _load(pin, "value", pin.value, files), matched)
+    values = None if raw is None else _value_tensor(pin, selection, raw, warn)
     if selection.index is not None:
         order = torch.argsort(selection.index, stable=True)
         index = selection.index[order]
@@ -374,22 +380,17 @@ def _targets(
     return _to_dtype(pin, name, values, parameter, warn)
 
 
-def _value_tensor(pin: Pin, selection: Selection, raw: Any) -> Tensor:
+def _value_tensor(pin: Pin, selection: Selection, raw: Any, warn: Callable[[str], Any]) -> Tensor:
     """Explicit values as a tensor: one per selected element (in selection order), or full shape."""
     name, parameter = selection.name, selection.parameter
     shape = tuple(parameter.shape)
     count = parameter.numel() if selection.index is None else selection.index.numel()
     if isinstance(raw, bool) or (isinstance(raw, Tensor) and raw.dtype == torch.bool):
         raise PinError(f"{pin!r}: value must be numeric, got a bool")
-    if isinstance(raw, numbers.Real):
-        values = torch.tensor(float(raw), dtype=torch.float64) if not isinstance(raw, numbers.Integral) else torch.tensor(raw)
-    elif isinstance(raw, Tensor):
+    if isinstance(raw, Tensor):
         values = raw.detach().cpu()
-    elif isinstance(raw, Sequence) and not isinstance(raw, (str, bytes)):
-        try:
-            values = torch.tensor(raw, dtype=torch.float64)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise PinError(f"{pin!r}: value for {name!r} is not a numeric sequence: {err}") from err
+    elif isinstance(raw, numbers.Real) or (isinstance(raw, Sequence) and not isinstance(raw, (str, bytes))):
+        values = _numbers_tensor(pin, name, raw, warn)
     else:
         raise PinError(
             f"{pin!r}: value must be None, a number, a sequence, a tensor, a dict by parameter name or a "
@@ -417,6 +418,33 @@ def _value_tensor(pin: Pin, selection: Selection, raw: Any) -> Tensor:
     )
 
 
+def _numbers_tensor(pin: Pin, name: str, raw: Any, warn: Callable[[str], Any]) -> Tensor:
+    """Python numbers as a tensor without losing digits: int64 if all are ints, else float64."""
+    leaves = list(_leaves(raw))
+    try:
+        if all(_is_int(x) for x in leaves) and all(-(2**63) <= x < 2**63 for x in leaves):
+            return torch.tensor(raw, dtype=torch.int64)
+        rounded = [x for x in leaves if _is_int(x) and float(x) != x]
+        if rounded:
+            warn(
+                f"{pin!r}: integers beyond int64 in the value for {name!r} are taken as their nearest float64 "
+                f"(e.g. {_clip(rounded[0])} as {float(rounded[0])!r})"
+            )
+        return torch.tensor(raw, dtype=torch.float64)
+    except OverflowError as err:
+        raise PinError(f"{pin!r}: value for {name!r} holds numbers that overflow every float dtype: {err}") from err
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise PinError(f"{pin!r}: value for {name!r} is not a number or a numeric sequence: {err}") from err
+
+
+def _leaves(raw: Any) -> Iterable[Any]:
+    if isinstance(raw, Sequence) and not isinstance(raw, (str, bytes)):
+        for item in raw:
+            yield from _leaves(item)
+    else:
+        yield raw
+
+
 def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: nn.Parameter, warn: Callable[[str], Any]) -> Tensor:
     """Cast targets to the parameter's dtype: reject NaN, inf and overflow; warn when rounded."""
     dtype = parameter.dtype
@@ -434,9 +462,15 @@ def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: nn.Parameter, warn
                 f"{pin!r}: values {big} overflow {dtype} of {name!r} (largest finite: {torch.finfo(dtype).max:g})"
             )
         inexact = stored.to(torch.float64) != wide
+        if not values.is_floating_point():
+            # Integers beyond 2**53 lose digits in float64 itself: compare them exactly, in Python.
+            big = (values.abs() > 2**53).reshape(-1).nonzero().squeeze(1).tolist()
+            flat_inexact = inexact.reshape(-1)
+            for i in big:
+                flat_inexact[i] = int(stored.reshape(-1)[i].to(torch.float64).item()) != int(values.reshape(-1)[i])
         if inexact.any():
             first = int(inexact.reshape(-1).nonzero()[0])
-            asked = wide.reshape(-1)[first].item()
+            asked = values.reshape(-1)[first].item()
             kept = stored.reshape(-1)[first].to(torch.float64).item()
             warn(
                 f"{pin!r}: {int(inexact.sum())} value(s) for {name!r} are not representable in {dtype}; "
@@ -459,7 +493,10 @@ def _load(pin: Pin, field: str, source: Any, files: dict[str, Any]) -> Any:
         if path.suffix not in _TENSOR_FILE_SUFFIXES:
             raise PinError(f"{pin!r}: {field} file {str(source)!r} must end in one of {_TENSOR_FILE_SUFFIXES}")
         if not path.is_file():
-            raise PinError(f"{pin!r}: {field} file {str(source)!r} does not exist")
+            raise PinError(
+                f"{pin!r}: {field} file {str(source)!r} does not exist (relative paths are taken from "
+                f"{Path.cwd()}); give the path of an existing .pt or .safetensors file"
+            )
         try:
             if path.suffix == ".safetensors":
                 from safetensors.torch import load_file
@@ -472,13 +509,17 @@ def _load(pin: Pin, field: str, source: Any, files: dict[str, Any]) -> Any:
     return files[key]
 
 
-def _by_name(pin: Pin, field: str, name: str, source: Any) -> Any:
-    """Pick ``name``'s entry from a dict keyed by parameter name (single-entry dicts match anything)."""
+def _by_name(pin: Pin, field: str, name: str, source: Any, matched: Sequence[str]) -> Any:
+    """Pick ``name``'s entry from a dict keyed by parameter name.
+
+    A single-entry dict under another key (a one-tensor .safetensors file, say) serves a pin that
+    matches exactly one parameter.
+    """
     if not isinstance(source, Mapping):
         return source
     if name in source:
         return source[name]
-    if len(source) == 1 and len(pin.patterns) == 1:
+    if len(source) == 1 and len(matched) == 1:
         return next(iter(source.values()))
     raise PinError(f"{pin!r}: {field} has no entry for parameter {name!r}; its keys are {sorted(source)[:10]}")
 

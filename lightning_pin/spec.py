@@ -152,6 +152,16 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _feed_code(digest: Any, code: Any) -> None:
+    digest.update(code.co_code)
+    digest.update(repr(code.co_names).encode())
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            _feed_code(digest, const)
+        else:
+            digest.update(repr(const).encode())
+
+
 def _feed(digest: Any, value: Any) -> None:
     """Feed ``value`` into ``digest`` by content, recursing through containers."""
     if isinstance(value, torch.Tensor):
@@ -169,5 +179,10 @@ def _feed(digest: Any, value: Any) -> None:
             _feed(digest, item)
     elif callable(value):
         digest.update(f"F{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', repr(value))}".encode())
+        code = getattr(value, "__code__", None)
+        if code is not None:
+            # Two lambdas share a qualname: tell them apart by their code, which is the same in
+            # every process running the same source.
+            _feed_code(digest, code)
     else:
         digest.update(f"{type(value).__name__}:{value!r}".encode())
