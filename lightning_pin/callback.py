@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_pin.engine import PinEngine
 from lightning_pin.errors import PinError
+from lightning_pin.monitor import PinMonitor
 from lightning_pin.plan import resolve
 from lightning_pin.spec import Pin
 
@@ -52,16 +53,21 @@ class PinCallback(Callback):
             :class:`~lightning_pin.PinError` if not: after every ``"step"``, at the end of every
             training ``"epoch"``, at the ``"end"`` of training (default), or ``"never"``.
         verbose: Print the summary of what is pinned at fit start (rank zero).
+        monitor: What to measure, log (under ``pin/...``) and report: a
+            :class:`~lightning_pin.PinMonitor`, ``True`` for ``PinMonitor()`` (pin drift, violations
+            and weight drift on logging steps; no accuracy tracking), or ``False`` for nothing.
 
     Example::
 
         >>> import lightning as L
-        >>> from lightning_pin import Pin, PinCallback
+        >>> from lightning_pin import Pin, PinCallback, PinMonitor
         >>> cb = PinCallback([
         ...     Pin("encoder.*"),                                        # freeze the encoder
         ...     Pin("head.weight", indices=[(0, 1), (2, 3)], value=[25.0, 5.0]),
         ...     Pin("head.bias", value=0.0, start_step=100),             # zero it from step 100
         ... ])
+        >>> # track accuracy too: baseline, forced, after every validation; report at the end
+        >>> cb = PinCallback([Pin("head.bias", value=0.0)], monitor=PinMonitor(accuracy=True))
         >>> trainer = L.Trainer(callbacks=[cb])  # doctest: +SKIP
         >>> trainer.fit(model)  # doctest: +SKIP
         >>> cb.verify(model)  # doctest: +SKIP
@@ -73,6 +79,7 @@ class PinCallback(Callback):
         strict: bool = True,
         verify: Literal["step", "epoch", "end", "never"] = "end",
         verbose: bool = True,
+        monitor: Union[PinMonitor, bool] = True,
     ) -> None:
         if isinstance(pins, (Pin, Mapping)):
             pins = [pins]
@@ -80,10 +87,14 @@ class PinCallback(Callback):
             raise PinError(f"pins must be a Pin, a mapping or a list of them, got {type(pins).__name__}")
         if verify not in _VERIFY_CHOICES:
             raise PinError(f"verify must be one of {_VERIFY_CHOICES}, got {verify!r}")
+        if not isinstance(monitor, (PinMonitor, bool)):
+            raise PinError(f"monitor must be a PinMonitor, True or False, got {type(monitor).__name__}")
         self.pins: list[Pin] = [Pin.from_config(p) for p in pins]
         self.strict = strict
         self.verify_at = verify
         self.verbose = verbose
+        #: What is measured, logged and reported (None: nothing).
+        self.monitor: Optional[PinMonitor] = PinMonitor() if monitor is True else (monitor or None)
         self.engine: Optional[PinEngine] = None
         self._loaded_state: Optional[dict[str, Any]] = None
         self._handles: list[Any] = []
@@ -107,13 +118,19 @@ class PinCallback(Callback):
         module = trainer.lightning_module
         plan = resolve(self.pins, module, warn=rank_zero_warn)
         self.engine = PinEngine(plan)
+        if self.monitor is not None:
+            self.monitor.setup(trainer, module, self.engine)
         if self._loaded_state is not None:
             self.engine.load_state_dict(self._loaded_state, strict=self.strict, warn=rank_zero_warn)
+            if self.monitor is not None:
+                self.monitor.load_state_dict(self._loaded_state.get("monitor"))
             self._loaded_state = None
         if plan.pins:
             self._handles = self.engine.attach(trainer.optimizers)
             if self.verify_at == "step":
                 self.engine._after_restore.append(self._check)
+            if self.monitor is not None:
+                self.engine._after_restore.append(self.monitor.after_restore)
         if self.verbose and plan.pins:
             rank_zero_info(f"PinCallback: pins resolved on {type(module).__name__}\n{plan.summary()}")
 
@@ -122,6 +139,9 @@ class PinCallback(Callback):
         # On resume the active pins' targets come from the callback state: make the weights the
         # first forward sees hold them, whatever the checkpoint's weights were.
         if self.engine is not None:
+            if self.monitor is not None:
+                # Before force(): the baseline is measured before any pin is forced.
+                self.monitor.on_train_start(trainer, pl_module, self.engine)
             self.engine.force()
 
     @override
@@ -141,6 +161,8 @@ class PinCallback(Callback):
         if self.engine is not None:
             self.engine.detach()
             self.engine._after_restore.clear()
+        if self.monitor is not None:
+            self.monitor.teardown()
 
     # ------------------------------------------------------------------------------------------
     # The step
@@ -149,10 +171,20 @@ class PinCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.engine is None or not self.engine.plan.pins:
+        if self.engine is None:
             return
-        self._when_hits = self._evaluate_when(trainer, pl_module, batch, batch_idx)
-        self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
+        if self.engine.plan.pins:
+            self._when_hits = self._evaluate_when(trainer, pl_module, batch, batch_idx)
+            self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
+        if self.monitor is not None:
+            self.monitor.on_train_batch_start(trainer, self.engine)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.monitor is not None and self.engine is not None:
+            self.monitor.on_train_batch_end(trainer, pl_module)
 
     @override
     def on_before_optimizer_step(
@@ -191,6 +223,26 @@ class PinCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.verify_at in ("epoch", "end"):
             self._check()
+        if self.monitor is not None and self.engine is not None:
+            self.monitor.on_train_end(trainer, pl_module, self.engine)
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.monitor is not None:
+            self.monitor.on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.monitor is not None:
+            self.monitor.on_validation_epoch_end(trainer, pl_module)
 
     def _check(self) -> None:
         if self.engine is not None and self.engine.last_step_active is not None:
@@ -234,7 +286,10 @@ class PinCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.engine is None:
             return dict(self._loaded_state or {})
-        return self.engine.state_dict()
+        state = self.engine.state_dict()
+        if self.monitor is not None:
+            state["monitor"] = self.monitor.state_dict()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -247,7 +302,11 @@ class PinCallback(Callback):
     ) -> None:
         # Lightning silently skips callback state whose key matches no callback. Pin state that
         # no PinCallback of this trainer claims means targets would be lost: refuse instead.
-        saved = [k for k in checkpoint.get("callbacks", {}) if isinstance(k, str) and k.startswith("PinCallback")]
+        saved = [
+            key
+            for key, state in checkpoint.get("callbacks", {}).items()
+            if isinstance(key, str) and key.startswith("PinCallback") and state and state.get("pins")
+        ]
         ours = {cb.state_key for cb in trainer.callbacks if isinstance(cb, PinCallback)}
         unmatched = [k for k in saved if k not in ours]
         if unmatched and self.strict and self is _first_pin_callback(trainer):

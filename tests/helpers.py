@@ -49,3 +49,66 @@ def trainer(**kwargs) -> L.Trainer:
     )
     defaults.update(kwargs)
     return L.Trainer(**defaults)
+
+
+# --------------------------------------------------------------------------------------------
+# Integration-test helpers (trainer paths, resume, DDP): snapshots, a step recorder, pin checks.
+
+
+def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached CPU clones of every named parameter."""
+    return {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
+
+
+def flat_index(shape, coords) -> torch.Tensor:
+    """Row-major flat indices of element coordinates (list of tuples) in a tensor of ``shape``."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return torch.tensor([sum(c * s for c, s in zip(row, strides)) for row in coords], dtype=torch.int64)
+
+
+def check_pins(params: dict, expected: dict, where: str = "") -> None:
+    """Assert bit-exact pinned values. ``expected``: name -> (flat index or None for whole, values)."""
+    for name, (index, values) in expected.items():
+        flat = params[name].detach().reshape(-1)
+        actual = flat if index is None else flat[index]
+        assert torch.equal(actual, values.reshape(-1).to(actual.dtype)), (
+            f"{name} off target {where}: {actual.tolist()} != {values.reshape(-1).tolist()}"
+        )
+
+
+class StepRecorder(L.Callback):
+    """Snapshots every parameter right after every real optimizer step.
+
+    The snapshot is taken from a torch step post-hook registered in ``on_fit_start``. Hooks run in
+    registration order and callbacks in list order, so put this callback AFTER the PinCallback:
+    the snapshot then sees the values after the pin's own post-hook restored them. A step that
+    the grad scaler skips fires no post-hook and leaves no record.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self._handles: list = []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        for i, optimizer in enumerate(trainer.optimizers):
+            self._handles.append(optimizer.register_step_post_hook(self._hook(trainer, i)))
+
+    def _hook(self, trainer, opt_idx):
+        def hook(optimizer, args, kwargs):
+            self.steps.append(
+                {
+                    "step": trainer.global_step,
+                    "opt": opt_idx,
+                    "lr": optimizer.param_groups[0]["lr"],
+                    "params": snapshot(trainer.lightning_module),
+                }
+            )
+
+        return hook
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,162 @@
+"""DDP on CPU with two processes (``ddp_spawn``): pins are exact after every step on both ranks, and
+the ranks stay identical. Each rank writes its snapshots to files that the test process checks.
+
+One ddp_spawn run for the whole module (module-scoped fixture): it is slow to start.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import StepRecorder, TinyNet, check_pins, flat_index, make_loader, snapshot, trainer
+
+from lightning_pin import Pin, PinCallback, PinError
+from lightning_pin.plan import fraction_indices
+
+ENC_COORDS = [(0, 0), (5, 7), (11, 2)]
+ENC_VALUES = [1.5, -2.0, 0.0]
+STEPS = 8  # 64 samples, 32 per rank, batches of 8, two epochs
+
+
+def first_label_is_zero(batch, batch_idx) -> bool:
+    """A `when` predicate that the two ranks answer differently on some batches (their data differ)."""
+    return bool(batch[1][0] == 0)
+
+
+def ddp_pins() -> list[Pin]:
+    return [
+        Pin("encoder.weight", indices=ENC_COORDS, value=ENC_VALUES),
+        Pin("head.weight", fraction=0.3, seed=1),  # value=None
+        Pin("head.bias"),  # whole-tensor freeze
+        Pin("encoder.bias", when=first_label_is_zero),  # per batch, must agree across ranks
+    ]
+
+
+class DDPNet(TinyNet):
+    def teardown(self, stage):
+        # Called after the callbacks' teardown (the recorder has written its file by now).
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+class RankRecorder(StepRecorder):
+    """StepRecorder that also logs each rank's own `when` answers and writes everything to a file."""
+
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.out_dir = out_dir
+        self.init: dict = {}
+        self.own_hits: list[bool] = []
+
+    def on_fit_start(self, trainer, pl_module):
+        self.init = snapshot(pl_module)
+        super().on_fit_start(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.own_hits.append(first_label_is_zero(batch, batch_idx))
+
+    def teardown(self, trainer, pl_module, stage):
+        super().teardown(trainer, pl_module, stage)
+        torch.save(
+            {
+                "world_size": trainer.world_size,
+                "init": self.init,
+                "steps": [(r["step"], r["params"]) for r in self.steps],
+                "own_hits": self.own_hits,
+                "final": snapshot(pl_module),
+            },
+            Path(self.out_dir) / f"rank{trainer.global_rank}.pt",
+        )
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    torch.manual_seed(0)
+    model = DDPNet()
+    cb = PinCallback(ddp_pins(), verbose=False)
+    tr = trainer(
+        strategy="ddp_spawn",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=2,
+        callbacks=[cb, RankRecorder(str(out))],
+    )
+    tr.fit(model, make_loader())
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return ranks, snapshot(model), cb, model
+
+
+def expected(init: dict) -> dict:
+    head = fraction_indices("head.weight", 48, 0.3, 1)
+    return {
+        "encoder.weight": (flat_index((16, 8), ENC_COORDS), torch.tensor(ENC_VALUES)),
+        "head.weight": (head, init["head.weight"].reshape(-1)[head]),
+        "head.bias": (None, init["head.bias"]),
+    }
+
+
+def test_ddp_pins_exact_on_both_ranks_after_every_step(ddp_run):
+    ranks = ddp_run[0]
+    for rank, data in enumerate(ranks):
+        assert data["world_size"] == 2
+        assert [s for s, _ in data["steps"]] == list(range(STEPS))
+        want = expected(data["init"])
+        for step, params in data["steps"]:
+            check_pins(params, want, f"on rank {rank} after step {step}")
+        check_pins(data["final"], want, f"on rank {rank} at the end")
+        # The free elements trained.
+        assert not torch.equal(data["final"]["encoder.weight"], data["init"]["encoder.weight"])
+
+
+def test_ddp_ranks_identical_after_every_step(ddp_run):
+    ranks, main_model = ddp_run[:2]
+    zero, one = ranks
+    for name in zero["init"]:
+        assert torch.equal(zero["init"][name], one["init"][name])
+    for (step, a), (_, b) in zip(zero["steps"], one["steps"]):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{name} differs between ranks after step {step}"
+    for name in zero["final"]:
+        assert torch.equal(zero["final"][name], one["final"][name])
+        # ddp_spawn hands rank 0's weights back to the test process.
+        assert torch.equal(main_model[name], zero["final"][name])
+
+
+def test_ddp_when_pin_active_if_any_rank_asks(ddp_run):
+    ranks = ddp_run[0]
+    zero, one = ranks
+    hits = [a or b for a, b in zip(zero["own_hits"], one["own_hits"])]
+    assert len(hits) == STEPS
+    # The ranks disagree on some batch, so this really exercises the cross-rank agreement.
+    assert zero["own_hits"] != one["own_hits"]
+    assert not all(hits) and any(hits)
+    for data in ranks:
+        before = data["init"]["encoder.bias"]
+        for (step, params), hit in zip(data["steps"], hits):
+            now = params["encoder.bias"]
+            if hit:
+                assert torch.equal(now, before), f"encoder.bias moved on frozen step {step}"
+            else:
+                assert not torch.equal(now, before), f"encoder.bias did not train on step {step}"
+            before = now
+
+
+def test_verify_in_main_process_after_ddp_spawn(ddp_run):
+    """The callback in the test process never ran a hook; verify() still checks the returned weights."""
+    _, _, cb, model = ddp_run
+    cb.verify(model)
+    with torch.no_grad():
+        old = model.encoder.weight[5, 7].clone()
+        model.encoder.weight[5, 7] = 1.0  # pinned to -2.0
+    try:
+        with pytest.raises(PinError, match=r"encoder\.weight.*\(5, 7\)"):
+            cb.verify(model)
+    finally:
+        with torch.no_grad():
+            model.encoder.weight[5, 7] = old
+    cb.verify(model)
