@@ -288,14 +288,50 @@ def _select(
 def fraction_indices(name: str, numel: int, fraction: float, seed: int) -> Tensor:
     """``round(fraction * numel)`` (at least 1) distinct flat indices, sorted.
 
-    Drawn from a CPU generator seeded with ``seed`` and the parameter's name, so every rank,
-    run and resume selects the same elements without communicating.
+    A uniform random subset drawn from a CPU generator seeded with ``seed`` and the parameter's
+    name, so every rank, run and resume selects the same elements without communicating. Sparse
+    selections cost O(k log k) for k elements, not O(numel): a large tensor is never permuted.
     """
     count = max(1, round(fraction * numel))
     generator = torch.Generator().manual_seed(name_seed(name, seed))
     if count == numel:
         return torch.arange(numel)
-    return torch.randperm(numel, generator=generator)[:count].sort().values
+    if count <= numel // 8:
+        return _distinct_draws(numel, count, generator).sort().values
+    return _smallest_keys(numel, count, generator)
+
+
+def _smallest_keys(numel: int, count: int, generator: torch.Generator) -> Tensor:
+    """The ``count`` elements with the smallest uniform random keys: O(numel), for dense picks."""
+    keys = torch.rand(numel, generator=generator, dtype=torch.float64)
+    threshold = keys.kthvalue(count).values
+    below = keys < threshold
+    # Ties at the threshold are all but impossible with 53-bit keys; break them by position.
+    ties = (keys == threshold).nonzero().squeeze(1)[: count - int(below.sum())]
+    below[ties] = True
+    return below.nonzero().squeeze(1)
+
+
+def _distinct_draws(numel: int, count: int, generator: torch.Generator) -> Tensor:
+    """The first ``count`` distinct values of a stream of uniform draws from ``[0, numel)``.
+
+    Keeping the first occurrences of a uniform stream is sampling without replacement, so the
+    result is a uniform random ``count``-subset. Draws are made in batches until enough are
+    distinct (used for ``count <= numel / 8``, where one batch nearly always suffices).
+    """
+    draws = torch.empty(0, dtype=torch.int64)
+    while True:
+        distinct = int(torch.unique(draws).numel())
+        if distinct >= count:
+            break
+        missing = count - distinct
+        # Expected repeats grow with the share already taken: draw a little more than missing.
+        extra = int(missing * numel / max(numel - count, 1)) + 64
+        draws = torch.cat([draws, torch.randint(numel, (extra,), generator=generator)])
+    unique, inverse = torch.unique(draws, return_inverse=True)
+    first_seen = torch.full((unique.numel(),), draws.numel(), dtype=torch.int64)
+    first_seen.scatter_reduce_(0, inverse, torch.arange(draws.numel()), reduce="amin")
+    return unique[first_seen.argsort()[:count]]
 
 
 def name_seed(name: str, seed: int) -> int:
