@@ -18,6 +18,7 @@ PyTorch loop uses it as::
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable
 
@@ -196,12 +197,21 @@ class PinEngine:
         )
 
     def set_active(self, pin_ids: Iterable[int]) -> list[int]:
-        """Make exactly ``pin_ids`` active; activate (capture, force, reset state) those that start."""
+        """Make exactly ``pin_ids`` active; activate (capture, force, reset state) those that start.
+
+        When pins stop, elements still held by other pins get those pins' targets: a pin that
+        overrode part of another (force one element of a frozen layer) hands it back.
+        """
         new = frozenset(pin_ids)
         started = sorted(new - self.active)
+        stopped = self.active - new
         self.active = new
         if started:
             self._activate(started)
+        if stopped:
+            touched = {name for pin_id in stopped for name in self.plan.pins[pin_id].selections}
+            with torch.no_grad():
+                self._write([t for t in self.targets() if t.name in touched])
         return started
 
     @torch.no_grad()
@@ -392,14 +402,15 @@ class PinEngine:
             tensor = tensor.detach()
             values = target.values.to(tensor.device)
             if target.index is None:
-                actual, expected, index = tensor.reshape(-1), values.reshape(-1), None
+                actual, expected = tensor.reshape(-1), values.reshape(-1)
             else:
-                flat, index = target.flat(tensor)
-                actual, expected = flat.index_select(0, index), values
+                flat, positions = target.flat(tensor)
+                actual, expected = flat.index_select(0, positions), values
             off = actual != expected
             if bool(off.any()):
                 where = off.nonzero().squeeze(1)[:examples]
-                flat_at = where if index is None else index[where]
+                # Coordinates from the row-major index, not from storage positions.
+                flat_at = where if target.index is None else target.index[where]
                 coords = torch.stack(torch.unravel_index(flat_at, tensor.shape), dim=1).tolist()
                 shown = [
                     (tuple(c), actual[w].item(), expected[w].item()) for c, w in zip(coords, where.tolist())
@@ -460,8 +471,9 @@ class PinEngine:
                 + ". Resume with the pins the checkpoint was trained with, or pass strict=False to start "
                 "the mismatching pins afresh."
             )
+        warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
         for problem in problems:
-            (warn or (lambda m: None))(f"PinCallback(strict=False) ignores saved pin state: {problem}")
+            warn(f"strict=False: PinCallback ignores saved pin state that does not match: {problem}")
         for pin_id in usable:
             rp = self.plan.pins[pin_id]
             captured = {}
