@@ -30,6 +30,14 @@ from torch.utils.hooks import RemovableHandle
 from lightning_pin.errors import PinError
 from lightning_pin.plan import PinPlan, Selection
 
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # torch < 2.4 keeps it private; builds without distributed have none
+    try:
+        from torch.distributed._tensor import DTensor, Replicate, Shard
+    except ImportError:
+        DTensor = Replicate = Shard = None
+
 #: Per-element optimizer statistics that push an element, zeroed when a step-window pin activates.
 #: Step sizes (Rprop ``step_size``) and weight averages (ASGD ``ax``) are left alone.
 OPTIMIZER_STATE_KEYS = (
@@ -59,20 +67,122 @@ _SKIPS_NONE_GRADS = frozenset(
 
 @dataclasses.dataclass
 class Target:
-    """The merged targets of one parameter under one set of active pins."""
+    """The merged targets of one parameter under one set of active pins.
+
+    Indices and values are in full-tensor coordinates. For a sharded parameter (a DTensor, under
+    FSDP2) :meth:`part` maps them once onto the shard this process holds, so masking and
+    restoring touch local memory only and need no communication.
+    """
 
     name: str
     parameter: nn.Parameter
     #: Sorted flat (row-major) indices, or None for the whole tensor.
     index: Tensor | None
-    #: One value per index, or of the parameter's shape when ``index`` is None.
-    values: Tensor
-    #: Storage-order indices for tensors that are not contiguous (e.g. channels_last), by strides.
-    _by_strides: dict[tuple[int, ...], Tensor] = dataclasses.field(default_factory=dict)
+    #: One value per index, or of the parameter's shape when ``index`` is None. None when only
+    #: the positions matter (zeroing optimizer state).
+    values: Tensor | None
+    #: Storage-order positions for tensors that are not contiguous (e.g. channels_last), by strides.
+    _by_strides: dict[Any, Tensor] = dataclasses.field(default_factory=dict)
+    #: The pinned elements of each shard layout this process holds.
+    _shards: dict[Any, LocalPart] = dataclasses.field(default_factory=dict)
 
-    def flat(self, tensor: Tensor) -> tuple[Tensor, Tensor]:
-        """A 1-D view of ``tensor``'s elements and the positions of the pinned ones in it."""
-        return flat_view(tensor, self.index, self._by_strides)
+    def part(self, tensor: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``(view, positions, targets)``: what of ``tensor`` (the parameter, its grad or an
+        optimizer statistic) this process pins.
+
+        For element pins ``view`` is a flat view of the local data and ``positions`` index the
+        pinned elements in it; for a whole tensor ``positions`` is None and ``view`` is the
+        local data itself.
+        """
+        if is_sharded(tensor):
+            key = (tuple(tensor.placements), tuple(tensor.shape))
+            if key not in self._shards:
+                self._shards[key] = local_part(tensor, self.index, self.values, self.name)
+            shard = self._shards[key]
+            data, index, values, cache_key = tensor.to_local(), shard.index, shard.values, key
+        else:
+            data, index, values, cache_key = tensor, self.index, self.values, None
+        if index is None:
+            return data, None, values
+        flat, positions = flat_view(data, index, self._by_strides, cache_key)
+        return flat, positions, values
+
+    def flat(self, tensor: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``(view, positions)`` of :meth:`part`, without the targets."""
+        view, positions, _ = self.part(tensor)
+        return view, positions
+
+    def flat_index_of(self, tensor: Tensor, positions_taken: Tensor) -> Tensor:
+        """Full-tensor row-major indices of the entries ``positions_taken`` of :meth:`part`."""
+        if is_sharded(tensor):
+            shard = self._shards[(tuple(tensor.placements), tuple(tensor.shape))]
+            if shard.global_index is not None:
+                return shard.global_index[positions_taken]
+            coords = torch.stack(torch.unravel_index(positions_taken, shard.shape), dim=1)
+            coords = coords + torch.tensor(shard.offset, device=coords.device)
+            strides = torch.tensor(_row_major_strides(tuple(tensor.shape)), device=coords.device)
+            return (coords * strides).sum(1)
+        return positions_taken if self.index is None else self.index[positions_taken]
+
+
+@dataclasses.dataclass
+class LocalPart:
+    """The pinned elements of a sharded tensor that lie in this process's shard."""
+
+    #: Row-major indices into the local shard, or None when the whole tensor is pinned.
+    index: Tensor | None
+    #: Their targets (local shape for a whole tensor), or None.
+    values: Tensor | None
+    #: Their full-tensor indices (None for a whole tensor).
+    global_index: Tensor | None
+    #: Where the shard starts in the full tensor, and its shape.
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+def is_sharded(tensor: Any) -> bool:
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def local_part(tensor: Tensor, index: Tensor | None, values: Tensor | None, name: str) -> LocalPart:
+    """Map full-tensor indices and targets onto the shard of ``tensor`` this process holds."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    unsupported = [p for p in tensor.placements if type(p) not in (Shard, Replicate)]
+    if unsupported:
+        raise PinError(
+            f"{name!r} is laid out as {tuple(tensor.placements)}; pins support Shard and Replicate placements "
+            "(FSDP2's fully_shard, data parallel), not {unsupported}"
+        )
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if index is None:
+        local = None if values is None else values[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        return LocalPart(None, None if local is None else local.contiguous(), None, tuple(offset), tuple(shape))
+    coords = torch.stack(torch.unravel_index(index, tuple(tensor.shape)), dim=1)
+    low = torch.tensor(offset, device=coords.device)
+    inside = ((coords >= low) & (coords < low + torch.tensor(shape, device=coords.device))).all(dim=1)
+    local_coords = coords[inside] - low
+    strides = torch.tensor(_row_major_strides(tuple(shape)), device=coords.device)
+    return LocalPart(
+        index=(local_coords * strides).sum(1),
+        values=None if values is None else values[inside],
+        global_index=index[inside],
+        offset=tuple(offset),
+        shape=tuple(shape),
+    )
+
+
+def _row_major_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """The data of ``tensor`` this process holds: a DTensor's local shard, else the tensor."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
 
 
 @dataclasses.dataclass
@@ -123,7 +233,7 @@ def _step_stats(
     )
 
 
-def flat_view(tensor: Tensor, index: Tensor, cache: dict | None = None) -> tuple[Tensor, Tensor]:
+def flat_view(tensor: Tensor, index: Tensor, cache: dict | None = None, key: Any = None) -> tuple[Tensor, Tensor]:
     """A 1-D view of ``tensor``'s storage and the storage positions of row-major ``index``.
 
     Contiguous tensors need no translation. Dense but permuted ones (channels_last weights and
@@ -132,14 +242,14 @@ def flat_view(tensor: Tensor, index: Tensor, cache: dict | None = None) -> tuple
     if tensor.is_contiguous():
         return tensor.view(-1), index
     strides = tensor.stride()
-    positions = None if cache is None else cache.get(strides)
+    positions = None if cache is None else cache.get((key, strides))
     if positions is None:
         if not _is_dense(tensor):
             raise PinError(f"cannot pin elements of a tensor with overlapping or gapped strides {strides}")
         coords = torch.stack(torch.unravel_index(index, tensor.shape), dim=1)
         positions = (coords * torch.tensor(strides, device=coords.device)).sum(1)
         if cache is not None:
-            cache[strides] = positions
+            cache[(key, strides)] = positions
     return tensor.as_strided((tensor.numel(),), (1,)), positions
 
 
@@ -304,15 +414,17 @@ class PinEngine:
             if grad is None:
                 continue
             if target.index is None:
-                if self.whole_grads == "drop":
+                # Sharded tensors keep a (zero) grad: FSDP2 needs their optimizer state to exist
+                # for distributed checkpoints to load.
+                if self.whole_grads == "drop" and not is_sharded(grad):
                     target.parameter.grad = None
                     self._dropped.add(target.name)
                 else:
-                    grad.zero_()
+                    local_tensor(grad).zero_()
             else:
-                flat, index = target.flat(grad)
+                flat, positions, _ = target.part(grad)
                 # index_fill_, not a multiply: 0 * inf is NaN.
-                flat.index_fill_(0, index, 0)
+                flat.index_fill_(0, positions, 0)
 
     @torch.no_grad()
     def restore(self, optimizer: Optimizer | None = None) -> None:
@@ -338,23 +450,18 @@ class PinEngine:
 
     def _deviation(self, target: Target) -> Tensor:
         """``|value - target|`` of the pinned elements of ``target``, flat, in float32 or wider."""
-        data = target.parameter.detach()
-        if target.index is None:
-            actual, expected = data.reshape(-1), target.values.reshape(-1)
-        else:
-            flat, index = target.flat(data)
-            actual, expected = flat.index_select(0, index), target.values
-        deviation = (actual - expected).abs()
+        view, positions, values = target.part(target.parameter.detach())
+        actual = view.reshape(-1) if positions is None else view.index_select(0, positions)
+        deviation = (actual - values.reshape(-1)).abs()
         return deviation if deviation.dtype in (torch.float32, torch.float64) else deviation.float()
 
     def _write(self, targets: Iterable[Target]) -> None:
         for target in targets:
-            data = target.parameter.data
-            if target.index is None:
-                data.copy_(target.values)
+            view, positions, values = target.part(target.parameter.data)
+            if positions is None:
+                view.copy_(values)
             else:
-                flat, index = target.flat(data)
-                flat.index_copy_(0, index, target.values)
+                view.index_copy_(0, positions, values)
 
     def force(self) -> None:
         """Write the targets of every active pin now (e.g. after loading weights on resume)."""
@@ -369,10 +476,15 @@ class PinEngine:
                 state = optimizer.state.get(selection.parameter)
                 if not state:
                     continue
+                where = Target(selection.name, selection.parameter, selection.index, None)
                 for key in OPTIMIZER_STATE_KEYS:
                     buffer = state.get(key)
                     if isinstance(buffer, Tensor) and buffer.shape == selection.parameter.shape:
-                        _fill(buffer, selection, 0)
+                        view, positions, _ = where.part(buffer)
+                        if positions is None:
+                            view.zero_()
+                        else:
+                            view.index_fill_(0, positions, 0)
 
     # ----------------------------------------------------------------------------------------
     # Checking
@@ -380,6 +492,10 @@ class PinEngine:
     @staticmethod
     def _read(selection: Selection) -> Tensor:
         data = selection.parameter.detach()
+        if is_sharded(data):
+            # Targets are kept in full-tensor coordinates (rank 0 saves them for everyone). A
+            # collective: every rank activates the same pins at the same step.
+            data = data.full_tensor()
         if selection.index is None:
             return data.clone()
         flat, index = flat_view(data, selection.index)
@@ -400,18 +516,15 @@ class PinEngine:
             if tensor is None:
                 raise PinError(f"verify: the module has no parameter {target.name!r}, which is pinned")
             tensor = tensor.detach()
-            values = target.values.to(tensor.device)
-            if target.index is None:
-                actual, expected = tensor.reshape(-1), values.reshape(-1)
-            else:
-                flat, positions = target.flat(tensor)
-                actual, expected = flat.index_select(0, positions), values
+            view, positions, values = target.part(tensor)
+            actual = view.reshape(-1) if positions is None else view.index_select(0, positions)
+            expected = values.reshape(-1).to(actual.device)
             off = actual != expected
             if bool(off.any()):
                 where = off.nonzero().squeeze(1)[:examples]
-                # Coordinates from the row-major index, not from storage positions.
-                flat_at = where if target.index is None else target.index[where]
-                coords = torch.stack(torch.unravel_index(flat_at, tensor.shape), dim=1).tolist()
+                # Coordinates from the row-major full-tensor index, not from storage positions.
+                flat_at = target.flat_index_of(tensor, where)
+                coords = torch.stack(torch.unravel_index(flat_at, tuple(tensor.shape)), dim=1).tolist()
                 shown = [
                     (tuple(c), actual[w].item(), expected[w].item()) for c, w in zip(coords, where.tolist())
                 ]
@@ -513,14 +626,6 @@ class PinEngine:
             elif selection.values is not None and not torch.equal(stored, selection.values.cpu()):
                 problems.append(f"the explicit values for {name!r} differ from the saved ones")
         return problems
-
-
-def _fill(tensor: Tensor, selection: Selection, value: float) -> None:
-    if selection.index is None:
-        tensor.fill_(value)
-    else:
-        flat, index = flat_view(tensor, selection.index)
-        flat.index_fill_(0, index, value)
 
 
 def _merge_entries(entries: Sequence[tuple[Tensor | None, Tensor]]) -> tuple[Tensor | None, Tensor]:
