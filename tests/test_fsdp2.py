@@ -1,0 +1,90 @@
+"""FSDP2 (ModelParallelStrategy + fully_shard) on 2 CPU processes: pins exact on every rank's
+shards after every step, resume from a distributed checkpoint, mismatched plans refused.
+
+The runs live in tests/fsdp2_worker.py: ModelParallelStrategy launches its second rank by
+re-running the command, so each run is a subprocess of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_pin.plan import fraction_indices
+
+WORKER = Path(__file__).with_name("fsdp2_worker.py")
+ELEMENTS = [((0, 0), 25.0), ((9, 3), 5.0), ((15, 7), -0.5)]
+
+
+def run(out_dir: Path, mode: str) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=str(WORKER.parent.parent))
+    done = subprocess.run(
+        [sys.executable, str(WORKER), str(out_dir), mode], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [torch.load(out_dir / f"{mode}-rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2")
+    return run(out, "train"), run(out, "resume")
+
+
+def step_records(rank: dict) -> list[dict]:
+    # The recorder also snapshots the first batch of an accumulation window (before any step).
+    return rank["steps"][1:]
+
+
+def test_train_pins_exact_on_every_rank_after_every_step(runs):
+    train, _ = runs
+    bias_index = fraction_indices("a.bias", 16, 0.5, 3)
+    for rank in train:
+        assert rank["outcome"] == "ok" and rank["verified"] == "ok"
+        start, steps = rank["start"], step_records(rank)
+        assert len(steps) == 4
+        for params in steps:
+            for (i, j), value in ELEMENTS:
+                assert params["a.weight"][i, j].item() == value
+            assert torch.equal(params["a.bias"][bias_index], start["a.bias"][bias_index])
+            assert torch.equal(params["b.weight"], start["b.weight"])
+            assert torch.equal(params["b.bias"], start["b.bias"])
+        # The free elements trained.
+        free = torch.ones(16, dtype=torch.bool)
+        free[bias_index] = False
+        assert not torch.equal(steps[-1]["a.bias"][free], start["a.bias"][free])
+        assert not torch.equal(steps[-1]["c.weight"], start["c.weight"])
+    # Both ranks hold the same full parameters after every step.
+    for mine, theirs in zip(step_records(train[0]), step_records(train[1])):
+        for name in mine:
+            assert torch.equal(mine[name], theirs[name])
+
+
+def test_resume_from_distributed_checkpoint_keeps_targets(runs):
+    train, resume = runs
+    before = step_records(train[0])[-1]
+    saved = train[0]["state"]["pins"]
+    bias_index = saved[1]["a.bias"]["index"]
+    # The saved targets are the full-tensor values captured at activation in the first run.
+    assert torch.equal(saved[1]["a.bias"]["target"], train[0]["start"]["a.bias"][bias_index])
+    for rank in resume:
+        assert rank["outcome"] == "ok" and rank["verified"] == "ok"
+        steps = step_records(rank)
+        assert len(steps) == 4  # steps 5..8 after resuming at step 4
+        for params in steps:
+            for (i, j), value in ELEMENTS:
+                assert params["a.weight"][i, j].item() == value
+            assert torch.equal(params["a.bias"][bias_index], saved[1]["a.bias"]["target"])
+            assert torch.equal(params["b.weight"], before["b.weight"])
+        assert not torch.equal(steps[-1]["c.weight"], before["c.weight"])
+
+
+def test_mismatched_plans_across_ranks_are_refused(tmp_path):
+    for rank in run(tmp_path, "mismatch"):
+        assert rank["outcome"].startswith("PinError: the ranks resolved different pins")
+        assert rank["steps"] == []
