@@ -115,8 +115,10 @@ class PinCallback(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _refuse_unsupported_strategy(trainer)
         module = trainer.lightning_module
         plan = resolve(self.pins, module, warn=rank_zero_warn)
+        _check_plans_agree(trainer, pl_module, plan)
         self.engine = PinEngine(plan)
         if self.monitor is not None:
             self.monitor.setup(trainer, module, self.engine)
@@ -263,7 +265,14 @@ class PinCallback(Callback):
         if pin_ids is None:
             pin_ids = self.engine.active
         parameters = None if module is None else dict(module.named_parameters())
-        self._raise_if_off(self.engine.violations(parameters, pin_ids))
+        violations = self.engine.violations(parameters, pin_ids)
+        if self.engine.sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Each rank checked its own shards: the verdict is the sum (every rank must call verify).
+            total = torch.tensor([sum(v.count for v in violations)], device=self.engine.device)
+            torch.distributed.all_reduce(total)
+            if int(total) and not violations:
+                raise PinError(f"{int(total)} pinned element(s) off target on other ranks' shards")
+        self._raise_if_off(violations)
 
     def _adopt_worker_state(self, module: nn.Module) -> None:
         """Take over the state a spawned rank 0 left behind (see ``on_fit_end``)."""
@@ -293,8 +302,14 @@ class PinCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Loaded before on_fit_start resolves the plan: keep it until then.
-        self._loaded_state = state_dict
+        if self.engine is not None and self._handles:
+            # Strategies that restore after setup (FSDP2, DeepSpeed) load after on_fit_start.
+            self.engine.load_state_dict(state_dict, strict=self.strict, warn=rank_zero_warn)
+            if self.monitor is not None:
+                self.monitor.load_state_dict(state_dict.get("monitor"))
+        else:
+            # Most strategies load before on_fit_start resolves the plan: keep it until then.
+            self._loaded_state = state_dict
 
     @override
     def on_load_checkpoint(
@@ -320,3 +335,33 @@ class PinCallback(Callback):
 
 def _first_pin_callback(trainer: pl.Trainer) -> Optional[PinCallback]:
     return next((cb for cb in trainer.callbacks if isinstance(cb, PinCallback)), None)
+
+
+def _refuse_unsupported_strategy(trainer: pl.Trainer) -> None:
+    """Strategies whose parameters pins cannot address exactly: refuse, never pin wrong elements."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    name = type(trainer.strategy).__name__
+    if isinstance(trainer.strategy, (FSDPStrategy, DeepSpeedStrategy)) or name.startswith(("FSDP", "DeepSpeed")):
+        raise PinError(
+            f"PinCallback does not support {name}: its flattened parameter shards hide element coordinates. "
+            "Use ModelParallelStrategy with torch.distributed.fsdp.fully_shard (FSDP2) for sharded training, "
+            'or strategy="ddp".'
+        )
+
+
+def _check_plans_agree(trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Any) -> None:
+    """Once at fit start: every rank must hold the same pins, or the replicas silently diverge."""
+    if trainer.world_size <= 1:
+        return
+    digest = int(plan.fingerprint(), 16) & (2**62 - 1)
+    # Two 31-bit halves, so the reduction is exact on any backend and dtype.
+    halves = torch.tensor([digest >> 31, digest & (2**31 - 1)], dtype=torch.int64, device=pl_module.device)
+    low = trainer.strategy.reduce(halves.clone(), reduce_op="min")
+    high = trainer.strategy.reduce(halves.clone(), reduce_op="max")
+    if not torch.equal(low, high):
+        raise PinError(
+            f"the ranks resolved different pins (rank {trainer.global_rank} plan {plan.fingerprint()}): a pin "
+            "that holds on one rank only makes the replicas diverge. Build the same Pins on every rank "
+            "(fraction + seed and files give identical selections everywhere)."
+        )

@@ -296,6 +296,16 @@ class PinEngine:
         #: What the last measured restore found; device tensors, nothing synced to the host.
         self.last_stats: StepStats | None = None
 
+    @property
+    def sharded(self) -> bool:
+        """Whether any pinned parameter is sharded (a DTensor): checks then need a reduction."""
+        return any(is_sharded(p) for p in self.plan.parameters.values())
+
+    @property
+    def device(self) -> torch.device:
+        """Where the pinned parameters live (the first one's device; CPU without pins)."""
+        return next((p.device for p in self.plan.parameters.values()), torch.device("cpu"))
+
     # ----------------------------------------------------------------------------------------
     # Which pins are active
 

@@ -1,4 +1,5 @@
-"""The one exception lightning-pin raises for bad input or a broken guarantee."""
+"""The exceptions lightning-pin raises: PinError for bad input or a broken guarantee, AccuracyGapError
+when an accuracy guard trips."""
 
 
 class PinError(ValueError):
@@ -8,3 +9,8 @@ class PinError(ValueError):
     :class:`~lightning_pin.Pin` and what would be right), and by
     :meth:`~lightning_pin.PinCallback.verify` when a pinned element is off its target.
     """
+
+
+class AccuracyGapError(RuntimeError):
+    """Raised by :class:`~lightning_pin.PinMonitor` (``on_max_gap="raise"``) when the tracked metric
+    stays further from its baseline than ``max_gap`` allows."""

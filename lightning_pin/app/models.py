@@ -1,0 +1,186 @@
+"""A classifier LightningModule around any backbone, and small backbones for ``1 x 8 x 8`` images."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+SchedulerFactory = Callable[[Optimizer], Any]
+
+
+class Classifier(L.LightningModule):
+    """Cross-entropy classification with any backbone that maps inputs to class logits.
+
+    The optimizer and scheduler are factories, so configs can choose them without a model at hand:
+    ``functools.partial(torch.optim.SGD, lr=0.1)``, or in Hydra ``{_target_: torch.optim.SGD,
+    _partial_: true, lr: 0.1}``.
+
+    ``validation_step`` logs ``val_loss`` and ``val_acc`` and returns ``{"loss", "preds",
+    "target"}``, which :class:`~lightning_pin.PinMonitor` reuses instead of running the model again.
+
+    Args:
+        backbone: The network; its parameters are named ``backbone.<name>``.
+        optimizer: ``callable(parameters) -> Optimizer`` (default: AdamW, lr 3e-3, weight decay 1e-2).
+        scheduler: Optional ``callable(optimizer) -> LRScheduler``.
+        scheduler_interval: Step the scheduler every ``"epoch"`` or every ``"step"``.
+
+    Example::
+
+        >>> import functools, torch
+        >>> model = Classifier(SmallCNN(), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+        >>> model(torch.zeros(2, 1, 8, 8)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        optimizer: Optional[OptimizerFactory] = None,
+        scheduler: Optional[SchedulerFactory] = None,
+        scheduler_interval: str = "epoch",
+    ) -> None:
+        super().__init__()
+        if scheduler_interval not in ("epoch", "step"):
+            raise ValueError(f"scheduler_interval must be 'epoch' or 'step', got {scheduler_interval!r}")
+        self.backbone = backbone
+        self.optimizer_factory = optimizer or functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=1e-2)
+        self.scheduler_factory = scheduler
+        self.scheduler_interval = scheduler_interval
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.backbone(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        x, y = batch
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.log("val_loss", loss, batch_size=len(y))
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean(), batch_size=len(y))
+        return {"loss": loss, "preds": logits, "target": y}
+
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer_factory(self.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval}}
+
+
+class SmallCNN(nn.Module):
+    """Two 3x3 convolutions, a 2x2 max-pool and a linear head: about 10k weights for 8x8 digits.
+
+    Parameters: ``features.0`` and ``features.2`` (the convolutions), ``head`` (the classifier).
+
+    Example::
+
+        >>> import torch
+        >>> SmallCNN()(torch.zeros(4, 1, 8, 8)).shape
+        torch.Size([4, 10])
+    """
+
+    def __init__(
+        self, num_classes: int = 10, channels: Sequence[int] = (16, 32), in_channels: int = 1, image_size: int = 8
+    ) -> None:
+        super().__init__()
+        first, second = channels
+        self.num_classes = num_classes
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, first, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(first, second, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Linear(second * (image_size // 2) ** 2, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+class MLP(nn.Module):
+    """Flatten, then fully connected layers with ReLU.
+
+    Parameters: ``layers.0``, ``layers.2``, ... (hidden layers) and ``head``.
+
+    Example::
+
+        >>> import torch
+        >>> MLP(hidden=(32,))(torch.zeros(4, 1, 8, 8)).shape
+        torch.Size([4, 10])
+    """
+
+    def __init__(
+        self, in_features: int = 64, hidden: Sequence[int] = (128, 64), num_classes: int = 10, dropout: float = 0.0
+    ) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        layers: list[nn.Module] = []
+        width = in_features
+        for size in hidden:
+            layers += [nn.Linear(width, size), nn.ReLU()]
+            if dropout:
+                layers.append(nn.Dropout(dropout))
+            width = size
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.layers(x.flatten(1)))
+
+
+class TinyTransformer(nn.Module):
+    """A small transformer encoder that reads an image row by row (each row is one token).
+
+    Rows are embedded linearly, a learned position embedding is added, a few pre-norm encoder layers
+    mix them, and the mean token goes to a linear head. Parameters: ``embed``, ``position``,
+    ``encoder.layers.<i>.*`` (attention, feed-forward, norms), ``norm`` and ``head``.
+
+    Example::
+
+        >>> import torch
+        >>> TinyTransformer()(torch.zeros(4, 1, 8, 8)).shape
+        torch.Size([4, 10])
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 10,
+        image_size: int = 8,
+        in_channels: int = 1,
+        dim: int = 32,
+        heads: int = 4,
+        layers: int = 2,
+        mlp_ratio: int = 2,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        self.embed = nn.Linear(in_channels * image_size, dim)
+        self.position = nn.Parameter(torch.zeros(1, image_size, dim))
+        nn.init.normal_(self.position, std=0.02)
+        layer = nn.TransformerEncoderLayer(
+            dim, heads, dim_feedforward=mlp_ratio * dim, dropout=dropout, batch_first=True, norm_first=True
+        )
+        # enable_nested_tensor only helps with padding masks, and warns with norm_first.
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # (batch, channels, rows, cols) -> (batch, rows, channels * cols): one token per row.
+        tokens = x.permute(0, 2, 1, 3).flatten(2)
+        hidden = self.encoder(self.embed(tokens) + self.position)
+        return self.head(self.norm(hidden.mean(1)))

@@ -1,0 +1,21 @@
+"""``when`` schedules for per-task pinning, importable by path from configs and spawned processes.
+
+A pin with ``when="lightning_pin.app.schedules.task_a"`` is active on the batches where the
+function returns ``True``. Here the tasks alternate batch by batch, as in the per-task freezing
+tutorial of the seeds: task A trains on even batches, task B on odd ones. A real multi-task
+setup would read the task from the batch instead (``batch["task"] == 0``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def task_a(batch: Any, batch_idx: int) -> bool:
+    """Task A's batches: the even ones."""
+    return batch_idx % 2 == 0
+
+
+def task_b(batch: Any, batch_idx: int) -> bool:
+    """Task B's batches: the odd ones."""
+    return batch_idx % 2 == 1

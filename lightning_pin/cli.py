@@ -1,0 +1,106 @@
+"""The ``lightning-pin`` command: ``train`` (the Hydra app), ``report`` (rebuild a run's report) and ``diff``.
+
+    lightning-pin train [OVERRIDES]     # python -m lightning_pin.train [OVERRIDES]: pretrain, pin, retrain, report
+    lightning-pin report RUN_DIR        # pin_report.json / .png from RUN_DIR/metrics.csv, and a table
+    lightning-pin diff A.ckpt B.ckpt    # what changed between two checkpoints; do saved pins hold in B?
+
+``diff`` exits with status 1 when a saved pin is off target in B, so scripts and CI can gate on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Optional
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-pin", description="Reports of pinned training runs, and checkpoint comparisons."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    # Listed for --help only: main() hands everything after "train" to Hydra untouched.
+    train = commands.add_parser(
+        "train",
+        help="the Hydra app: pretrain, pin, retrain with PinCallback, verify, report (Hydra overrides follow)",
+        description="Same as python -m lightning_pin.train; see `lightning-pin train --help` for Hydra's help.",
+    )
+    train.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides, -m for a multirun, --cfg job, ...")
+
+    report = commands.add_parser(
+        "report",
+        help="write pin_report.json and pin_report.png from a CSVLogger run and print the report",
+        description="Rebuild the report of a run from the pin/... columns of its CSVLogger metrics.csv.",
+    )
+    report.add_argument("run_dir", help="the run's log directory (holding metrics.csv), or a parent of it")
+    report.add_argument("--out", help="where to write the report files (default: next to metrics.csv)")
+    report.add_argument("--metric", help="name of the tracked metric (default: found in the CSV)")
+    report.add_argument("--tolerance", type=float, help="gap that counts as recovered (default: as logged, or 0.01)")
+    report.add_argument(
+        "--lower-is-better", action="store_true", default=None, help="the metric is an error (MSE, ...), not a score"
+    )
+    report.add_argument("--no-plot", action="store_true", help="skip pin_report.png")
+
+    diff = commands.add_parser(
+        "diff",
+        help="which tensors changed between two checkpoints, and whether saved pins hold in the second",
+        description="Compare the weights of two checkpoints (Lightning .ckpt, or state dicts in .pt / "
+        ".safetensors) and check the pins a saved PinCallback state holds against B. Exit status 1 when a pin "
+        "is off target.",
+    )
+    diff.add_argument("a", help="the earlier checkpoint")
+    diff.add_argument("b", help="the later checkpoint")
+    diff.add_argument("--changed-only", action="store_true", help="list only the tensors that changed")
+    diff.add_argument("--json", action="store_true", help="print the comparison as JSON instead of tables")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        return _train(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "report":
+        return _report(args)
+    return _diff(args)
+
+
+def _train(overrides: Sequence[str]) -> int:
+    import runpy
+
+    # Hydra reads its overrides from sys.argv. Running the module as __main__ (as `python -m`
+    # does) lets Hydra find conf/ from the module's file rather than as a Python package.
+    sys.argv = ["lightning-pin train", *overrides]
+    runpy.run_module("lightning_pin.train", run_name="__main__", alter_sys=True)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from lightning_pin import report as reporting
+
+    csv_path = reporting.find_metrics_csv(args.run_dir)
+    higher_is_better = None if args.lower_is_better is None else not args.lower_is_better
+    report = reporting.report_from_csv(
+        csv_path, metric=args.metric, tolerance=args.tolerance, higher_is_better=higher_is_better
+    )
+    paths = reporting.write_report(report, args.out or csv_path.parent, plot=not args.no_plot)
+    reporting.print_report(report, note=f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from lightning_pin import diff as ckpt_diff
+
+    result = ckpt_diff.diff_checkpoints(ckpt_diff.load_checkpoint(args.a), ckpt_diff.load_checkpoint(args.b))
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        ckpt_diff.print_diff(result, args.a, args.b, changed_only=args.changed_only)
+    return 0 if result.pins_hold else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""Compare two checkpoints: which tensors changed and by how many elements, and whether saved pins hold.
+
+This answers "what did training actually change?": freezing the wrong object (the BERT user in
+the seeds froze a copy of the trained model, so nothing was frozen) shows up as a "frozen" module
+whose elements all changed, and the pins a :class:`~lightning_pin.PinCallback` saved in a
+checkpoint are checked against the weights of the other one, bit for bit. Nothing here imports
+Lightning: checkpoints are read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+
+#: Prefix of the callback-state keys of :class:`~lightning_pin.PinCallback` in a Lightning checkpoint.
+PIN_STATE_PREFIX = "PinCallback"
+
+
+@dataclasses.dataclass
+class TensorDiff:
+    """How one tensor differs between checkpoint A and checkpoint B."""
+
+    name: str
+    shape: tuple[int, ...]
+    elements: int
+    #: Elements whose value differs (bit for bit; NaN == NaN); None when the shapes differ.
+    changed: Optional[int]
+    #: Largest ``|b - a|`` over the elements (0 when nothing changed); None when the shapes differ.
+    max_change: Optional[float]
+    #: ``"both"``, ``"only A"`` or ``"only B"``.
+    presence: str = "both"
+
+
+@dataclasses.dataclass
+class PinCheck:
+    """Whether the elements one saved pin selects in one parameter hold their targets in checkpoint B."""
+
+    state_key: str
+    pin: int
+    name: str
+    elements: int
+    #: Elements off target in B (bit for bit); None when B lacks the parameter or its shape differs.
+    off_target: Optional[int]
+    #: Pinned elements whose value differs between A and B (None without A's tensor).
+    changed: Optional[int]
+    active: bool
+
+    @property
+    def holds(self) -> bool:
+        return self.off_target == 0
+
+
+@dataclasses.dataclass
+class CheckpointDiff:
+    tensors: list[TensorDiff]
+    pins: list[PinCheck]
+    #: Where the pin state came from ("B", "A" or None when neither holds any).
+    pins_from: Optional[str]
+
+    @property
+    def changed_tensors(self) -> list[TensorDiff]:
+        return [t for t in self.tensors if t.presence != "both" or t.changed != 0]
+
+    @property
+    def pins_hold(self) -> bool:
+        """Every active saved pin is on target in B."""
+        return all(c.holds for c in self.pins if c.active)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tensors": [dataclasses.asdict(t) for t in self.tensors],
+            "pins": [dict(dataclasses.asdict(c), holds=c.holds) for c in self.pins],
+            "pins_from": self.pins_from,
+            "pins_hold": self.pins_hold,
+            "changed_elements": sum(t.changed or 0 for t in self.tensors),
+            "elements": sum(t.elements for t in self.tensors),
+        }
+
+
+def load_checkpoint(path: Union[str, Path]) -> dict[str, Any]:
+    """A Lightning checkpoint, or a bare state dict (``.pt`` / ``.safetensors``) wrapped like one."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory (a sharded checkpoint?): consolidate it into one file first")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return {"state_dict": load_file(str(path))}
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # pickle errors come in many types
+        raise ValueError(
+            f"cannot load {path} with weights_only=True ({err}). It holds objects other than tensors and "
+            f"containers (hyperparameters such as functions?); load it in Python yourself if you trust it."
+        ) from err
+    if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
+        return dict(loaded)
+    if isinstance(loaded, Mapping) and all(isinstance(v, Tensor) for v in loaded.values()):
+        return {"state_dict": dict(loaded)}
+    raise ValueError(f"{path} holds neither a Lightning checkpoint nor a state dict of tensors")
+
+
+def diff_checkpoints(a: Mapping[str, Any], b: Mapping[str, Any]) -> CheckpointDiff:
+    """Compare the ``state_dict`` of checkpoints ``a`` and ``b``, and check saved pins against ``b``.
+
+    The pin state comes from ``b``'s callbacks (the state at the end of the compared interval),
+    or from ``a``'s when ``b`` has none.
+    """
+    weights_a, weights_b = a["state_dict"], b["state_dict"]
+    tensors = []
+    for name in list(weights_a) + [n for n in weights_b if n not in weights_a]:
+        ta, tb = weights_a.get(name), weights_b.get(name)
+        if not isinstance(ta if ta is not None else tb, Tensor):
+            continue
+        if ta is None or tb is None:
+            present = ta if ta is not None else tb
+            presence = "only A" if tb is None else "only B"
+            tensors.append(TensorDiff(name, tuple(present.shape), present.numel(), None, None, presence))
+            continue
+        if ta.shape != tb.shape:
+            tensors.append(TensorDiff(name, tuple(tb.shape), tb.numel(), None, None))
+            continue
+        differs = _differs(ta, tb)
+        changed = int(differs.sum())
+        max_change = 0.0
+        if changed and ta.is_floating_point():
+            max_change = float((tb.double() - ta.double()).abs()[differs].max())
+        elif changed:
+            max_change = float((tb.long() - ta.long()).abs()[differs].max())
+        tensors.append(TensorDiff(name, tuple(ta.shape), ta.numel(), changed, max_change))
+    states, source = _pin_states(b), "B"
+    if not states:
+        states, source = _pin_states(a), "A"
+    checks = []
+    for key, state in states.items():
+        checks += _check_pins(key, state, weights_a, weights_b)
+    return CheckpointDiff(tensors, checks, source if states else None)
+
+
+def _differs(ta: Tensor, tb: Tensor) -> Tensor:
+    """Elements that differ bit for bit (so NaN equals NaN and -0.0 differs from 0.0)."""
+    if ta.dtype != tb.dtype:
+        return ta.to(torch.float64) != tb.to(torch.float64)
+    if ta.is_floating_point() and ta.element_size() in (2, 4, 8):
+        as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[ta.element_size()]
+        return ta.contiguous().view(as_int) != tb.contiguous().view(as_int)
+    return ta != tb
+
+
+def _pin_states(checkpoint: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    callbacks = checkpoint.get("callbacks") or {}
+    return {
+        k: v
+        for k, v in callbacks.items()
+        if isinstance(k, str) and k.startswith(PIN_STATE_PREFIX) and isinstance(v, Mapping) and "pins" in v
+    }
+
+
+def _check_pins(
+    key: str, state: Mapping[str, Any], weights_a: Mapping[str, Tensor], weights_b: Mapping[str, Tensor]
+) -> list[PinCheck]:
+    # Pins that were active at the last optimizer step must hold; others are reported, not judged.
+    last = state.get("last_step_active")
+    active = set(last if last is not None else state.get("active", []))
+    checks = []
+    for pin_id, selections in enumerate(state["pins"]):
+        for name, entry in selections.items():
+            index, target = entry.get("index"), entry.get("target")
+            tb, ta = weights_b.get(name), weights_a.get(name)
+            reference = tb if tb is not None else ta
+            elements = int(index.numel()) if index is not None else (reference.numel() if reference is not None else 0)
+            if target is None:
+                # A pin with value=None that never activated has no target yet.
+                checks.append(PinCheck(key, pin_id, name, elements, None, None, False))
+                continue
+            off = _off_target(tb, index, target)
+            changed = None
+            if ta is not None and tb is not None and ta.shape == tb.shape:
+                changed = int(_differs(_select(ta, index), _select(tb, index)).sum())
+            checks.append(PinCheck(key, pin_id, name, elements, off, changed, pin_id in active))
+    return checks
+
+
+def _select(tensor: Tensor, index: Optional[Tensor]) -> Tensor:
+    flat = tensor.reshape(-1)
+    return flat if index is None else flat.index_select(0, index.long())
+
+
+def _off_target(tensor: Optional[Tensor], index: Optional[Tensor], target: Tensor) -> Optional[int]:
+    if tensor is None:
+        return None
+    expected_shape = tuple(tensor.shape) if index is None else (index.numel(),)
+    if tuple(target.shape) != expected_shape:
+        return None
+    if index is not None and index.numel() and int(index.max()) >= tensor.numel():
+        return None
+    values = _select(tensor, index)
+    return int((values != target.to(values.dtype).reshape(values.shape)).sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# Printing
+
+
+def format_diff(diff: CheckpointDiff, changed_only: bool = False) -> list[tuple[str, ...]]:
+    """Rows for the tensor table: name, shape, elements, changed, max |change|."""
+    rows = []
+    for t in diff.changed_tensors if changed_only else diff.tensors:
+        shape = "x".join(map(str, t.shape)) or "scalar"
+        if t.presence != "both":
+            rows.append((t.name, shape, f"{t.elements:,}", t.presence, "-"))
+        elif t.changed is None:
+            rows.append((t.name, shape, f"{t.elements:,}", "shape differs", "-"))
+        else:
+            rows.append((t.name, shape, f"{t.elements:,}", f"{t.changed:,}", f"{t.max_change:.3g}"))
+    return rows
+
+
+def print_diff(diff: CheckpointDiff, a_name: str = "A", b_name: str = "B", changed_only: bool = False) -> None:
+    """Print the tensor table and the pin checks (rich when installed, plain text otherwise)."""
+    header = ("tensor", "shape", "elements", "changed", "max |B - A|")
+    rows = format_diff(diff, changed_only)
+    total = sum(t.elements for t in diff.tensors)
+    changed = sum(t.changed or 0 for t in diff.tensors)
+    summary = (
+        f"{changed:,} of {total:,} elements changed, in {len(diff.changed_tensors)} of {len(diff.tensors)} tensors "
+        f"({a_name} -> {b_name})"
+    )
+    pin_lines = _pin_lines(diff)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        print(summary)
+        for line, ok in pin_lines:
+            print(line)
+        return
+    console = Console()
+    table = Table(title=f"{Path(a_name).name} -> {Path(b_name).name}")
+    for i, column in enumerate(header):
+        table.add_column(column, justify="left" if i < 2 else "right")
+    for row in rows:
+        table.add_row(*row, style="dim" if row[3] == "0" else None)
+    console.print(table)
+    console.print(summary, soft_wrap=True)
+    for line, ok in pin_lines:
+        console.print(line, style="green" if ok else ("red" if ok is False else None), markup=False, soft_wrap=True)
+
+
+def _pin_lines(diff: CheckpointDiff) -> list[tuple[str, Optional[bool]]]:
+    if diff.pins_from is None:
+        return [("no PinCallback state in either checkpoint: no pins to check", None)]
+    verdict = "all active pins hold in B" if diff.pins_hold else "some pins do NOT hold in B"
+    lines: list[tuple[str, Optional[bool]]] = [(f"pins saved in {diff.pins_from}: {verdict}", diff.pins_hold)]
+    state_key = None
+    for c in diff.pins:
+        if c.state_key != state_key:
+            state_key = c.state_key
+            lines.append((f"  {state_key}", None))
+        where = f"    pin {c.pin} on {c.name} ({c.elements:,} elements)"
+        if not c.active:
+            lines.append((f"{where}: not active at the last step, not checked", None))
+        elif c.off_target is None:
+            lines.append((f"{where}: parameter missing or reshaped in B", False))
+        else:
+            moved = "" if c.changed is None else f", {c.changed:,} changed since A"
+            state = "holds" if c.holds else f"{c.off_target:,} element(s) OFF TARGET"
+            lines.append((f"{where}: {state}{moved}", c.holds))
+    return lines

@@ -1,0 +1,387 @@
+"""The end-of-run report: ``pin_report.json``, ``pin_report.png`` and a table on the console.
+
+A report is a plain dict (see :func:`make_report`), built either by
+:class:`~lightning_pin.PinMonitor` at the end of ``fit`` or afterwards from the ``metrics.csv``
+of a ``CSVLogger`` run (:func:`report_from_csv`, the ``lightning-pin report RUN_DIR`` command).
+Both go through :func:`make_report`, so they agree on every number.
+
+The plot needs matplotlib and the table looks best with rich (both in the ``app`` extra); without
+them the PNG is skipped with a warning and the table is plain text. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from lightning_pin.metrics import Preservation
+
+REPORT_JSON = "pin_report.json"
+REPORT_PNG = "pin_report.png"
+METRICS_CSV = "metrics.csv"
+#: Prefix of every name lightning-pin logs.
+PREFIX = "pin/"
+
+
+def make_report(
+    *,
+    metric: Optional[str] = None,
+    higher_is_better: bool = True,
+    tolerance: float = 0.01,
+    baseline: Optional[float] = None,
+    forced: Optional[float] = None,
+    accuracy: Sequence[Sequence[float]] = (),
+    pin_drift: Sequence[Sequence[float]] = (),
+    weight_drift: Sequence[Sequence[float]] = (),
+    modules: Sequence[str] = (),
+    pinned_elements: int = 0,
+    trainable_elements: Optional[int] = None,
+    steps: Optional[int] = None,
+) -> dict[str, Any]:
+    """Summarise a run's histories into the report dict that is written as ``pin_report.json``.
+
+    Args:
+        metric: Name of the quality metric whose preservation is tracked (None: not tracked).
+        higher_is_better: Direction of the metric.
+        tolerance: Largest gap to the baseline that counts as recovered.
+        baseline: The metric before any pin was forced.
+        forced: The metric right after forcing the pins, before training.
+        accuracy: ``[step, value]`` rows: the forced value, then one per validation, the last one
+            at the end of training.
+        pin_drift: ``[step, drift_max, drift_mean, violations]`` rows, one per logged step.
+        weight_drift: ``[step, total, relative, *per_module]`` rows, one per logged step.
+        modules: Names of the top-level modules of the ``per_module`` columns.
+        pinned_elements: Distinct elements any pin selects.
+        trainable_elements: Elements of the trained module that require grad.
+        steps: Optimizer steps taken (default: the last step of any history).
+
+    The top-level keys ``metric``, ``baseline``, ``forced``, ``final``, ``gap``,
+    ``recovered_step``, ``pinned_elements``, ``violations``, ``pin_drift_max`` and ``weight_drift``
+    are always present (None where nothing was measured). ``gap`` is how much worse than the
+    baseline the final value is (positive: worse), in the metric's units.
+    """
+    preservation = Preservation(higher_is_better=higher_is_better, tolerance=tolerance)
+    preservation.baseline = baseline
+    for step, value in accuracy:
+        preservation.record(int(step), float(value))
+    final = preservation.final
+    last_steps = [int(rows[-1][0]) for rows in (accuracy, pin_drift, weight_drift) if rows]
+    return {
+        "metric": metric,
+        "higher_is_better": higher_is_better,
+        "tolerance": tolerance,
+        "baseline": baseline,
+        "forced": forced,
+        "final": final,
+        "gap": None if final is None else preservation.gap(final),
+        "recovered_step": preservation.recovered_step,
+        "pinned_elements": int(pinned_elements),
+        "trainable_elements": None if trainable_elements is None else int(trainable_elements),
+        "violations": int(sum(row[3] for row in pin_drift)),
+        "pin_drift_max": max((row[1] for row in pin_drift), default=None),
+        "pin_drift_mean": _mean([row[2] for row in pin_drift]),
+        "weight_drift": weight_drift[-1][1] if weight_drift else None,
+        "weight_drift_relative": weight_drift[-1][2] if weight_drift else None,
+        "weight_drift_by_module": dict(zip(modules, weight_drift[-1][3:])) if weight_drift else {},
+        "steps": steps if steps is not None else max(last_steps, default=0),
+        "history": {
+            "accuracy": {"step": [int(r[0]) for r in accuracy], "value": [float(r[1]) for r in accuracy]},
+            "pin_drift": {
+                "step": [int(r[0]) for r in pin_drift],
+                "max": [float(r[1]) for r in pin_drift],
+                "mean": [float(r[2]) for r in pin_drift],
+                "violations": [int(r[3]) for r in pin_drift],
+            },
+            "weight_drift": {
+                "step": [int(r[0]) for r in weight_drift],
+                "total": [float(r[1]) for r in weight_drift],
+                "relative": [float(r[2]) for r in weight_drift],
+                "by_module": {m: [float(r[3 + i]) for r in weight_drift] for i, m in enumerate(modules)},
+            },
+        },
+    }
+
+
+def _mean(values: Sequence[float]) -> Optional[float]:
+    return sum(values) / len(values) if values else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_report(report: Mapping[str, Any], directory: Union[str, Path], plot: bool = True) -> list[Path]:
+    """Write ``pin_report.json`` (and ``pin_report.png`` when ``plot``) into ``directory``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path = directory / REPORT_JSON
+    # Write then rename, so a reader never sees half a file.
+    partial = json_path.with_suffix(".json.part")
+    partial.write_text(json.dumps(report, indent=2, allow_nan=True) + "\n")
+    partial.replace(json_path)
+    written = [json_path]
+    if plot:
+        png = plot_report(report, directory / REPORT_PNG)
+        if png is not None:
+            written.append(png)
+    return written
+
+
+def plot_report(report: Mapping[str, Any], path: Union[str, Path]) -> Optional[Path]:
+    """Plot the metric, the pin drift and the weight drift against the optimizer step into ``path``."""
+    try:
+        # A Figure of its own, not pyplot: no global backend or figure state is touched.
+        from matplotlib.figure import Figure
+    except ImportError:
+        warnings.warn(
+            "lightning-pin: matplotlib is not installed, skipping pin_report.png (pip install 'lightning-pin[app]')"
+        )
+        return None
+    history = report["history"]
+    panels = []
+    if report.get("metric") and history["accuracy"]["step"]:
+        panels.append(_plot_metric)
+    if history["pin_drift"]["step"]:
+        panels.append(_plot_pin_drift)
+    if history["weight_drift"]["step"]:
+        panels.append(_plot_weight_drift)
+    if not panels:
+        panels.append(_plot_nothing)
+    fig = Figure(figsize=(8.5, 3.1 * len(panels) + 0.6))
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)
+    for panel, ax in zip(panels, axes[:, 0]):
+        panel(ax, report)
+        ax.grid(True, alpha=0.3)
+    axes[-1, 0].set_xlabel("optimizer step")
+    fig.suptitle(_headline(report), fontsize=10.5)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _headline(report: Mapping[str, Any]) -> str:
+    parts = []
+    if report.get("metric"):
+        parts.append(
+            f"{report['metric']}: baseline {_fmt(report['baseline'])}, forced {_fmt(report['forced'])}, "
+            f"final {_fmt(report['final'])}"
+        )
+    parts.append(f"{report['pinned_elements']:,} pinned elements, violations {report['violations']}")
+    return "   |   ".join(parts)
+
+
+def _plot_metric(ax: Any, report: Mapping[str, Any]) -> None:
+    steps, values = report["history"]["accuracy"]["step"], report["history"]["accuracy"]["value"]
+    baseline, forced, tolerance = report["baseline"], report["forced"], report["tolerance"]
+    label = f"{report['metric']} (final {_fmt(report['final'])})"
+    ax.plot(steps, values, "o-", color="tab:blue", lw=2, ms=4, label=label)
+    if baseline is not None:
+        worst = baseline - tolerance if report["higher_is_better"] else baseline + tolerance
+        ax.axhspan(min(baseline, worst), max(baseline, worst), color="tab:green", alpha=0.12, lw=0,
+                   label=f"within tolerance ({tolerance:g})")
+        ax.axhline(baseline, color="tab:green", ls="--", lw=1.5, label=f"baseline (no pins) {_fmt(baseline)}")
+    if forced is not None:
+        ax.axhline(forced, color="tab:red", ls=":", lw=1.8, label=f"forced (pins set, no training) {_fmt(forced)}")
+    if report.get("recovered_step") is not None:
+        ax.axvline(report["recovered_step"], color="0.4", ls="-.", lw=1,
+                   label=f"recovered at step {report['recovered_step']}")
+    ax.set_ylabel(report["metric"])
+    ax.set_title(f"{report['metric']} on the validation data", fontsize=10)
+    ax.legend(loc="lower right" if report["higher_is_better"] else "upper right", fontsize=8, framealpha=0.9)
+
+
+def _plot_pin_drift(ax: Any, report: Mapping[str, Any]) -> None:
+    drift = report["history"]["pin_drift"]
+    ax.plot(drift["step"], drift["max"], ".-", color="tab:orange", label="max |move| of a pinned element")
+    ax.plot(drift["step"], drift["mean"], ".-", color="tab:purple", label="mean |move|")
+    if all(v > 0 for v in drift["max"] + drift["mean"]):
+        ax.set_yscale("log")
+    bad = [s for s, v in zip(drift["step"], drift["violations"]) if v]
+    if bad:
+        ax.scatter(bad, [max(drift["max"]) or 1.0] * len(bad), marker="x", color="red", zorder=5,
+                   label=f"violations ({report['violations']} elements off target)")
+    ax.set_ylabel("|move| in a step")
+    ax.set_title("pin drift: how far the optimizer moved the pins in a step (before the restore)", fontsize=10)
+    ax.legend(fontsize=8, framealpha=0.9)
+
+
+def _plot_weight_drift(ax: Any, report: Mapping[str, Any]) -> None:
+    drift = report["history"]["weight_drift"]
+    ax.plot(drift["step"], drift["total"], ".-", color="tab:brown", lw=2,
+            label=f"L2 distance from fit start (final {_fmt(report['weight_drift'])}, "
+                  f"{100 * (report['weight_drift_relative'] or 0):.1f}% of their norm)")
+    for i, (module, values) in enumerate(drift.get("by_module", {}).items()):
+        if len(drift["by_module"]) > 1 and i < 8:
+            ax.plot(drift["step"], values, "-", lw=1, alpha=0.8, label=module)
+    ax.set_ylabel("||w - w0||")
+    ax.set_title("weight drift: how far the free weights moved to compensate", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", framealpha=0.9)
+
+
+def _plot_nothing(ax: Any, report: Mapping[str, Any]) -> None:
+    ax.text(0.5, 0.5, "nothing was measured", ha="center", va="center", transform=ax.transAxes)
+
+
+def _fmt(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+        return f"{value:.3e}"
+    return f"{value:.4f}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The table
+
+
+def report_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The report as ``(quantity, value)`` rows, for the console table."""
+    rows = []
+    if report.get("metric"):
+        gap = report["gap"]
+        rows += [
+            ("metric", f"{report['metric']} ({'higher' if report['higher_is_better'] else 'lower'} is better)"),
+            ("baseline (no pins)", _fmt(report["baseline"])),
+            ("forced (pins set, no training)", _fmt(report["forced"])),
+            ("final", _fmt(report["final"])),
+            ("gap to baseline (positive: worse)", "-" if gap is None else f"{gap:+.4f}"),
+            (
+                f"recovered within {report['tolerance']:g} at step",
+                "not recovered" if report["recovered_step"] is None else str(report["recovered_step"]),
+            ),
+        ]
+    trainable = report.get("trainable_elements")
+    rows.append(
+        ("pinned elements", f"{report['pinned_elements']:,}" + (f" of {trainable:,} trainable" if trainable else ""))
+    )
+    rows.append(("violations (must be 0)", str(report["violations"])))
+    rows.append(("pin drift max / mean", f"{_fmt(report['pin_drift_max'])} / {_fmt(report['pin_drift_mean'])}"))
+    relative = report.get("weight_drift_relative")
+    rows.append(
+        (
+            "weight drift (L2 from fit start)",
+            _fmt(report["weight_drift"]) + ("" if relative is None else f"  ({100 * relative:.2f}% of their norm)"),
+        )
+    )
+    for module, value in (report.get("weight_drift_by_module") or {}).items():
+        rows.append((f"  {module}", _fmt(value)))
+    rows.append(("optimizer steps", str(report.get("steps", "-"))))
+    return rows
+
+
+def print_report(report: Mapping[str, Any], title: str = "lightning-pin report", note: Optional[str] = None) -> None:
+    """Print the report as a table (rich when installed, plain text otherwise), then ``note``."""
+    rows = report_rows(report)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        width = max(len(k) for k, _ in rows)
+        print(title)
+        for key, value in rows:
+            print(f"  {key.ljust(width)}  {value}")
+        if note:
+            print(note)
+        return
+    table = Table(title=title, show_header=False)
+    table.add_column("quantity", style="bold")
+    table.add_column("value", justify="right")
+    for key, value in rows:
+        style = "red" if key.startswith("violations") and value != "0" else None
+        table.add_row(key, value, style=style)
+    console = Console()
+    console.print(table)
+    if note:
+        console.print(note, markup=False, soft_wrap=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# From a CSVLogger run
+
+
+def find_metrics_csv(run_dir: Union[str, Path]) -> Path:
+    """``RUN_DIR/metrics.csv``, or the newest ``metrics.csv`` below ``RUN_DIR`` (e.g. ``lightning_logs``)."""
+    run_dir = Path(run_dir)
+    if run_dir.is_file():
+        return run_dir
+    direct = run_dir / METRICS_CSV
+    if direct.exists():
+        return direct
+    found = sorted(run_dir.rglob(METRICS_CSV), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"no {METRICS_CSV} in {run_dir}: point at the log directory of a CSVLogger run")
+    return found[-1]
+
+
+def read_metrics_csv(path: Union[str, Path]) -> list[dict[str, float]]:
+    """The rows of a ``metrics.csv``, with empty cells dropped and values as floats."""
+    rows = []
+    with open(path, newline="") as file:
+        for row in csv.DictReader(file):
+            rows.append({k: float(v) for k, v in row.items() if k is not None and v not in ("", None)})
+    return rows
+
+
+def report_from_csv(
+    run_dir: Union[str, Path],
+    metric: Optional[str] = None,
+    tolerance: Optional[float] = None,
+    higher_is_better: Optional[bool] = None,
+) -> dict[str, Any]:
+    """Rebuild the report of a run from the ``pin/...`` columns of its ``metrics.csv``.
+
+    What the CSV cannot hold (the metric's direction and tolerance) comes from the arguments, or
+    from the ``pin_report.json`` that :class:`~lightning_pin.PinMonitor` writes next to it when
+    training starts, or defaults to "higher is better" and 0.01.
+    """
+    csv_path = find_metrics_csv(run_dir)
+    rows = read_metrics_csv(csv_path)
+    existing: dict[str, Any] = {}
+    if (csv_path.parent / REPORT_JSON).exists():
+        existing = json.loads((csv_path.parent / REPORT_JSON).read_text())
+    metric = metric or existing.get("metric") or _discover_metric(rows)
+    if tolerance is None:
+        tolerance = existing.get("tolerance", 0.01)
+    if higher_is_better is None:
+        higher_is_better = existing.get("higher_is_better", True)
+
+    def series(key: str, *others: str) -> list[list[float]]:
+        return [[row["step"], row[key], *(row.get(o, 0.0) for o in others)] for row in rows if key in row]
+
+    def last(key: str) -> Optional[float]:
+        values = [row[key] for row in rows if key in row]
+        return values[-1] if values else None
+
+    accuracy = series(f"{PREFIX}{metric}") if metric else []
+    groups_prefix = f"{PREFIX}weight_drift/"
+    modules = list(dict.fromkeys(k[len(groups_prefix) :] for row in rows for k in row if k.startswith(groups_prefix)))
+    pinned = last(f"{PREFIX}pinned_elements")
+    trainable = last(f"{PREFIX}trainable_elements")
+    return make_report(
+        metric=metric,
+        higher_is_better=bool(higher_is_better),
+        tolerance=float(tolerance),
+        baseline=last(f"{PREFIX}{metric}_baseline") if metric else None,
+        forced=last(f"{PREFIX}{metric}_forced") if metric else None,
+        accuracy=accuracy,
+        pin_drift=series(f"{PREFIX}drift_max", f"{PREFIX}drift_mean", f"{PREFIX}violations"),
+        weight_drift=series(
+            f"{PREFIX}weight_drift", f"{PREFIX}weight_drift_relative", *(groups_prefix + m for m in modules)
+        ),
+        modules=modules,
+        pinned_elements=int(pinned if pinned is not None else existing.get("pinned_elements", 0)),
+        trainable_elements=int(trainable) if trainable is not None else existing.get("trainable_elements"),
+    )
+
+
+def _discover_metric(rows: Sequence[Mapping[str, float]]) -> Optional[str]:
+    suffix = "_baseline"
+    names = {k[len(PREFIX) : -len(suffix)] for row in rows for k in row if k.startswith(PREFIX) and k.endswith(suffix)}
+    if len(names) > 1:
+        raise ValueError(f"the run logged several tracked metrics {sorted(names)}: choose one with --metric")
+    return names.pop() if names else None
