@@ -81,7 +81,7 @@ def main(out_dir: str, mode: str) -> None:
     pins = list(PINS)
     if mode == "mismatch" and int(os.environ.get("LOCAL_RANK", "0")) == 1:
         pins[0] = Pin("a.weight", indices=[(0, 0), (9, 3), (15, 7)], value=[25.0, 5.0, 0.5])
-    callback = PinCallback(pins, verbose=False, monitor=False)
+    callback = PinCallback(pins, verbose=False)
     recorder = Recorder()
     trainer = L.Trainer(
         accelerator="cpu",
