@@ -253,6 +253,30 @@ def flat_view(tensor: Tensor, index: Tensor, cache: dict | None = None, key: Any
     return tensor.as_strided((tensor.numel(),), (1,)), positions
 
 
+#: Indices converted to int64 at a time: bounds the transient memory of int32 -> int64 to 8 MiB.
+_CONVERT_CHUNK = 1 << 20
+
+
+def fill_at(flat: Tensor, positions: Tensor, value: float) -> None:
+    """``flat[positions] = value``. Positions are stored as int32 where they fit (half the memory
+    of int64); ``index_fill_`` wants int64, so they are widened a chunk at a time."""
+    if positions.dtype == torch.int64:
+        flat.index_fill_(0, positions, value)
+        return
+    for start in range(0, positions.numel(), _CONVERT_CHUNK):
+        flat.index_fill_(0, positions[start : start + _CONVERT_CHUNK].long(), value)
+
+
+def copy_at(flat: Tensor, positions: Tensor, values: Tensor) -> None:
+    """``flat[positions] = values``, widening int32 positions a chunk at a time (see :func:`fill_at`)."""
+    if positions.dtype == torch.int64:
+        flat.index_copy_(0, positions, values)
+        return
+    for start in range(0, positions.numel(), _CONVERT_CHUNK):
+        stop = start + _CONVERT_CHUNK
+        flat.index_copy_(0, positions[start:stop].long(), values[start:stop])
+
+
 def _is_dense(tensor: Tensor) -> bool:
     expected = 1
     for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda s: s[1]):
@@ -434,7 +458,7 @@ class PinEngine:
             else:
                 flat, positions, _ = target.part(grad)
                 # index_fill_, not a multiply: 0 * inf is NaN.
-                flat.index_fill_(0, positions, 0)
+                fill_at(flat, positions, 0)
 
     @torch.no_grad()
     def restore(self, optimizer: Optimizer | None = None) -> None:
@@ -471,7 +495,7 @@ class PinEngine:
             if positions is None:
                 view.copy_(values)
             else:
-                view.index_copy_(0, positions, values)
+                copy_at(view, positions, values)
 
     def force(self) -> None:
         """Write the targets of every active pin now (e.g. after loading weights on resume)."""
@@ -494,7 +518,7 @@ class PinEngine:
                         if positions is None:
                             view.zero_()
                         else:
-                            view.index_fill_(0, positions, 0)
+                            fill_at(view, positions, 0)
 
     # ----------------------------------------------------------------------------------------
     # Checking
@@ -651,7 +675,7 @@ def _merge_entries(entries: Sequence[tuple[Tensor | None, Tensor]]) -> tuple[Ten
             if index is None:
                 full.copy_(values)
             else:
-                flat.index_copy_(0, index, values)
+                copy_at(flat, index, values)
         return None, full
     index = torch.cat([e[0] for e in entries])
     values = torch.cat([e[1] for e in entries])

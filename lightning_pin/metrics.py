@@ -266,7 +266,7 @@ class FreeWeights:
                 if subtract:
                     buffer.sub_(reference_flat[start:stop])
                 if excluded is not None:
-                    buffer.index_fill_(0, excluded, 0)
+                    buffer.index_fill_(0, excluded.long(), 0)
                 sums[group].append(torch.dot(buffer, buffer).to(self._device))
         zero = torch.zeros((), device=self._device)
         return torch.stack([torch.stack(s).sum() if s else zero for s in sums]) if sums else zero.reshape(0)

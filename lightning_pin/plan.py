@@ -36,7 +36,8 @@ class Selection:
 
     name: str
     parameter: nn.Parameter
-    #: Sorted, unique flat (row-major) element indices, int64 on the parameter's device.
+    #: Sorted, unique flat (row-major) element indices on the parameter's device: int32 when the
+    #: parameter has fewer than 2**31 elements, else int64.
     #: ``None`` selects the whole tensor.
     index: Tensor | None
     #: Explicit targets in the parameter's dtype and device: one per element of ``index``, or
@@ -159,7 +160,7 @@ def resolve(
             selection = _select(pin, name, named[name], files, matched)
             selection.values = _targets(pin, selection, files, warn, matched)
             if selection.index is not None:
-                selection.index = selection.index.to(named[name].device)
+                selection.index = compact_index(selection.index, named[name].numel()).to(named[name].device)
             selections[name] = selection
         resolved.append(ResolvedPin(pin, selections, when))
     _check_conflicts(resolved)
@@ -283,6 +284,11 @@ def _select(
     # Keep the user's order (on the CPU) for now: value sequences follow it. _targets sorts and
     # dedupes, and resolve() moves the index to the parameter's device.
     return Selection(name, parameter, flat, None, how)
+
+
+def compact_index(index: Tensor, numel: int) -> Tensor:
+    """Flat indices as int32 where every index fits (4 bytes per pinned element), else int64."""
+    return index.to(torch.int32) if numel <= 2**31 - 1 else index.to(torch.int64)
 
 
 def fraction_indices(name: str, numel: int, fraction: float, seed: int) -> Tensor:

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_pin import Pin, PinError
 from lightning_pin.engine import PinEngine
-from lightning_pin.plan import fraction_indices, resolve
+from lightning_pin.plan import compact_index, fraction_indices, resolve
 
 
 class Net(nn.Module):
@@ -143,7 +143,8 @@ def test_whole_selection(net):
 def test_indices_list_of_tuples(net):
     s = sel(resolve([Pin("fc.weight", indices=[(2, 3), (0, 1)])], net), "fc.weight")
     assert torch.equal(s.index, flat_of((3, 4), (0, 1), (2, 3)))
-    assert s.index.dtype == torch.int64
+    # int32 where every index fits: 4 bytes per pinned element.
+    assert s.index.dtype == torch.int32
     assert s.how == "indices" and s.values is None and s.count == 2
 
 
@@ -177,7 +178,17 @@ def test_indices_long_tensor_1d(net):
 
 def test_indices_int32_tensor(net):
     s = sel(resolve([Pin("fc.weight", indices=torch.tensor([[2, 1]], dtype=torch.int32))], net), "fc.weight")
-    assert torch.equal(s.index, torch.tensor([9])) and s.index.dtype == torch.int64
+    assert torch.equal(s.index, torch.tensor([9])) and s.index.dtype == torch.int32
+
+
+def test_indices_of_a_tensor_beyond_int32_stay_int64():
+    # A parameter with 2**31 elements (on the meta device: no memory) needs int64 indices.
+    big = nn.Module()
+    big.w = nn.Parameter(torch.empty(2**31, device="meta"))
+    s = sel(resolve([Pin("w", indices=[2**31 - 1, 0])], big), "w")
+    assert s.index.dtype == torch.int64 and s.count == 2
+    assert compact_index(torch.tensor([0, 2**31 - 1]), 2**31).tolist() == [0, 2**31 - 1]
+    assert compact_index(torch.tensor([0, 2**31 - 2]), 2**31 - 1).dtype == torch.int32
 
 
 def test_indices_duplicates_without_value_are_deduped(net):
