@@ -16,11 +16,13 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,app]"
 	touch $(STAMP)
 
+# The Hydra app with its defaults: pretrain a small CNN on digits, stick 5% of its conv weights
+# at random values, retrain around them, verify the pins and report (outputs/<date>/<time>/).
 demo: $(STAMP)
-	$(PY) examples/stuck_at_faults.py
+	$(PY) -m lightning_pin.train
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider

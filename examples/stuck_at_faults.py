@@ -1,95 +1,51 @@
 """Stuck-at faults: 5% of a CNN's conv weights are stuck at random values; can training recover?
 
-The story of the ONNX Runtime user in the seeds: force chosen weights to fixed values and
-retrain the rest of the network around them. Runs in well under a minute on 2 CPU cores, on
-scikit-learn's digits (no download).
+The ONNX Runtime user's story in the seeds, and the default job of the Hydra app
+(`python -m lightning_pin.train`) written out in Python: pretrain a small CNN on scikit-learn's
+digits (no download), stick 5% of its conv weights at random values in [-1, 1] (the same cells
+and values on every run), and retrain the rest of the network around them. PinMonitor measures
+the accuracy before the faults (baseline), right after forcing them (forced) and after
+retraining (final).
 
     python examples/stuck_at_faults.py
 """
 
+import functools
+import warnings
+
 import lightning as L
 import torch
-from sklearn.datasets import load_digits
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pin import Pin, PinCallback
-
-
-def digits_loaders(batch_size: int = 64) -> tuple[DataLoader, DataLoader]:
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    train, val = order[:1400], order[1400:]
-    return (
-        DataLoader(TensorDataset(x[train], y[train]), batch_size=batch_size, shuffle=True),
-        DataLoader(TensorDataset(x[val], y[val]), batch_size=256),
-    )
+from lightning_pin import Pin, PinCallback, PinMonitor
+from lightning_pin.app.data import DigitsDataModule
+from lightning_pin.app.models import Classifier, SmallCNN
+from lightning_pin.app.pins import UniformValues, realize
 
 
-class SmallCNN(L.LightningModule):
-    def __init__(self, lr: float = 3e-3):
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(32 * 4 * 4, 10),
-        )
-        self.lr = lr
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=1e-2)
-
-
-@torch.no_grad()
-def accuracy(model: nn.Module, loader: DataLoader) -> float:
-    model.eval()
-    hits = sum(int((model(x).argmax(1) == y).sum()) for x, y in loader)
-    model.train()
-    return hits / len(loader.dataset)
+def trainer(epochs: int, callbacks: list) -> L.Trainer:
+    return L.Trainer(max_epochs=epochs, callbacks=callbacks, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
 
 
 def main() -> None:
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
     torch.manual_seed(0)
-    torch.set_num_threads(min(2, torch.get_num_threads()))
-    train, val = digits_loaders()
-    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    torch.set_num_threads(1)  # tiny models train fastest on one thread, and never fight over cores
+    data = DigitsDataModule()
+    model = Classifier(SmallCNN(), optimizer=functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=1e-2))
+    trainer(8, []).fit(model, data)
 
-    model = SmallCNN()
-    L.Trainer(max_epochs=8, **quiet).fit(model, train)
-    baseline = accuracy(model, val)
+    # 5% of the cells of every conv weight, chosen by seed 0 and each parameter's name, stuck at
+    # values drawn (seed 1) in [-1, 1). realize() turns the value generator into tensors.
+    stuck_values = UniformValues(-1.0, 1.0, seed=1)
+    faults = realize(Pin("backbone.features.*.weight", fraction=0.05, seed=0, value=stuck_values), model)
+    monitor = PinMonitor(accuracy=True)
+    callback = PinCallback([faults], monitor=monitor)
+    trainer(6, [callback]).fit(model, data)
+    callback.verify(model)  # raises PinError if any stuck cell moved
 
-    # 5% of every conv weight stuck at random values in [-1, 1], the same cells on every run.
-    pins = []
-    for name in ("net.0.weight", "net.2.weight"):
-        numel = model.get_parameter(name).numel()
-        count = max(1, round(0.05 * numel))
-        stuck = torch.rand(count, generator=torch.Generator().manual_seed(1)) * 2 - 1
-        pins.append(Pin(name, fraction=0.05, seed=0, value=stuck))
-    callback = PinCallback(pins)
-
-    # Force the faults without training (a zero-step fit applies nothing, so do it by hand here).
-    faulty = SmallCNN()
-    faulty.load_state_dict(model.state_dict())
-    from lightning_pin.engine import PinEngine
-    from lightning_pin.plan import resolve
-
-    engine = PinEngine(resolve(pins, faulty))
-    engine.set_active(engine.ids_at(0))
-    forced = accuracy(faulty, val)
-
-    L.Trainer(max_epochs=6, callbacks=[callback], **quiet).fit(faulty, train)
-    callback.verify(faulty)  # raises PinError if any stuck cell moved
-    final = accuracy(faulty, val)
-    print(f"accuracy  baseline {baseline:.3f}  forced {forced:.3f}  final {final:.3f}  (pins exact: verified)")
+    print(f"accuracy  baseline {monitor.baseline:.3f}  forced {monitor.forced:.3f}  final {monitor.final:.3f}"
+          "  (pins exact: verified)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,410 @@
+"""Hydra structured configs: the schema of ``conf/``, registered in Hydra's ConfigStore.
+
+Every YAML option in ``conf/`` starts from one of these dataclasses::
+
+    defaults:
+      - /schema/trainer/default@_here_
+      - _self_
+
+so Hydra checks the YAML file and every command-line override against it before anything runs:
+``trainer.max_epoch=3`` fails with ``Key 'max_epoch' not in 'TrainerConfig'``, and
+``trainer.max_epochs=three`` with ``Value 'three' ... could not be converted to Integer``. A key
+that a schema does not declare can still be added on purpose with Hydra's ``+key=value`` (for
+instance ``+trainer.profiler=simple``).
+
+Each group's options share one schema per kind of option: the optimizers one each, because their
+arguments differ; the pin options one each, so that a knob is accepted only by the option that
+uses it (``pin=none pin.fraction=0.1`` is an error, not a silent no-op).
+
+``_target_`` names what :func:`hydra.utils.instantiate` builds; ``_partial_: true`` (optimizers)
+builds a ``functools.partial`` that the model calls with its parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+# OmegaConf 2.3 has no Union type: keys that take "an int or a float" (limit_train_batches: 4 or
+# 0.25), "a string or a list" (params) or "a number, a list or a node" (value) are typed Any,
+# and the object they are passed to checks them (Lightning's Trainer, Pin, PinCallback).
+
+# ----------------------------------------------------------------------------------------------
+# data/
+
+
+@dataclass
+class DigitsDataConfig:
+    """:class:`~lightning_pin.app.data.DigitsDataModule`: scikit-learn's 8x8 digits, 10 classes."""
+
+    _target_: str = "lightning_pin.app.data.DigitsDataModule"
+    batch_size: int = 64
+    val_batch_size: int = 256
+    val_fraction: float = 0.25
+    seed: int = 0
+    num_workers: int = 0
+
+
+@dataclass
+class SyntheticDataConfig:
+    """:class:`~lightning_pin.app.data.SyntheticDataModule`: Gaussian blobs shaped like images."""
+
+    _target_: str = "lightning_pin.app.data.SyntheticDataModule"
+    num_samples: int = 2048
+    num_classes: int = 10
+    input_shape: List[int] = field(default_factory=lambda: [1, 8, 8])
+    noise: float = 1.0
+    batch_size: int = 64
+    val_batch_size: int = 256
+    val_fraction: float = 0.25
+    seed: int = 0
+    num_workers: int = 0
+
+
+# ----------------------------------------------------------------------------------------------
+# model/: a Classifier around one backbone (the optimizer comes from optimizer/)
+
+
+@dataclass
+class SmallCNNConfig:
+    _target_: str = "lightning_pin.app.models.SmallCNN"
+    num_classes: int = 10
+    channels: List[int] = field(default_factory=lambda: [16, 32])
+    in_channels: int = 1
+    image_size: int = 8
+
+
+@dataclass
+class MLPConfig:
+    _target_: str = "lightning_pin.app.models.MLP"
+    in_features: int = 64
+    hidden: List[int] = field(default_factory=lambda: [128, 64])
+    num_classes: int = 10
+    dropout: float = 0.0
+
+
+@dataclass
+class TinyTransformerConfig:
+    _target_: str = "lightning_pin.app.models.TinyTransformer"
+    num_classes: int = 10
+    image_size: int = 8
+    in_channels: int = 1
+    dim: int = 32
+    heads: int = 4
+    layers: int = 2
+    mlp_ratio: int = 2
+    dropout: float = 0.0
+
+
+@dataclass
+class ClassifierConfig:
+    """:class:`~lightning_pin.app.models.Classifier`; ``scheduler`` is a ``_partial_`` node or null."""
+
+    _target_: str = "lightning_pin.app.models.Classifier"
+    backbone: Any = MISSING
+    scheduler: Any = None
+    scheduler_interval: str = "epoch"
+
+
+@dataclass
+class CNNClassifierConfig(ClassifierConfig):
+    backbone: SmallCNNConfig = field(default_factory=SmallCNNConfig)
+
+
+@dataclass
+class MLPClassifierConfig(ClassifierConfig):
+    backbone: MLPConfig = field(default_factory=MLPConfig)
+
+
+@dataclass
+class TransformerClassifierConfig(ClassifierConfig):
+    backbone: TinyTransformerConfig = field(default_factory=TinyTransformerConfig)
+
+
+# ----------------------------------------------------------------------------------------------
+# optimizer/: partials, called by the model with its parameters
+
+
+@dataclass
+class OptimizerConfig:
+    _target_: str = MISSING
+    _partial_: bool = True
+    lr: float = MISSING
+    weight_decay: float = 0.0
+    foreach: Optional[bool] = None
+
+
+@dataclass
+class SGDConfig(OptimizerConfig):
+    _target_: str = "torch.optim.SGD"
+    lr: float = 0.1
+    momentum: float = 0.9
+    dampening: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass
+class AdamConfig(OptimizerConfig):
+    _target_: str = "torch.optim.Adam"
+    lr: float = 3e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    amsgrad: bool = False
+
+
+@dataclass
+class AdamWConfig(AdamConfig):
+    _target_: str = "torch.optim.AdamW"
+    weight_decay: float = 1e-2
+
+
+@dataclass
+class RMSpropConfig(OptimizerConfig):
+    _target_: str = "torch.optim.RMSprop"
+    lr: float = 1e-3
+    alpha: float = 0.99
+    eps: float = 1e-8
+    momentum: float = 0.0
+    centered: bool = False
+
+
+@dataclass
+class AdagradConfig(OptimizerConfig):
+    _target_: str = "torch.optim.Adagrad"
+    lr: float = 3e-2
+    lr_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+
+
+# ----------------------------------------------------------------------------------------------
+# pin/: what to pin. ``pins`` is the list the app builds; the other keys of an option are the
+# knobs its pins refer to (``fraction: ${pin.fraction}``), so one override changes one number.
+
+
+@dataclass
+class PinConfig:
+    """One :class:`~lightning_pin.Pin`, with the same keys.
+
+    ``value`` may also be a ``_target_`` node that builds a value generator, such as
+    :class:`~lightning_pin.app.pins.UniformValues`: the app calls it for every parameter the pin
+    matches and pins the tensor it returns (random stuck-at values, reproducible from a seed).
+    """
+
+    params: Any = MISSING
+    indices: Any = None
+    mask: Any = None
+    fraction: Optional[float] = None
+    seed: int = 0
+    value: Any = None
+    start_step: int = 0
+    stop_step: Optional[int] = None
+    when: Optional[str] = None
+
+
+@dataclass
+class PinsConfig:
+    """``pin=none``, and the base of every pin option: the pins themselves."""
+
+    pins: List[PinConfig] = field(default_factory=list)
+
+
+@dataclass
+class ElementPinsConfig(PinsConfig):
+    """``pin=elements``: chosen elements of one parameter, forced to chosen values."""
+
+    params: Any = MISSING
+    indices: Any = MISSING
+    value: Any = MISSING
+
+
+@dataclass
+class FractionPinsConfig(PinsConfig):
+    """``pin=fraction``: a seeded random fraction of the matched parameters' elements."""
+
+    params: Any = MISSING
+    fraction: float = MISSING
+    seed: int = 0
+    value: Any = None
+
+
+@dataclass
+class FreezeLayersConfig(PinsConfig):
+    """``pin=freeze_layers``: whole parameters, by glob, kept at their values."""
+
+    params: Any = MISSING
+
+
+@dataclass
+class FaultMapConfig(PinsConfig):
+    """``pin=fault_map``: stuck-at cells read from a file (see :func:`~lightning_pin.app.pins.fault_map_pins`)."""
+
+    fault_map: str = MISSING
+
+
+@dataclass
+class PerTaskConfig(PinsConfig):
+    """``pin=per_task``: batches alternate between two tasks; each task's batches freeze the other's layers."""
+
+    task_a_frozen: Any = MISSING
+    task_b_frozen: Any = MISSING
+
+
+# ----------------------------------------------------------------------------------------------
+# trainer/, callbacks/, logger/, paths/
+
+
+@dataclass
+class TrainerConfig:
+    """The :class:`lightning.pytorch.Trainer` arguments the configs use (``+trainer.<arg>=`` adds others).
+
+    ``callbacks`` and ``logger`` come from their own groups; ``max_epochs`` is the pinned
+    retraining's length (the plain pretraining's is ``pretrain.max_epochs``).
+    """
+
+    _target_: str = "lightning.pytorch.Trainer"
+    accelerator: str = "cpu"
+    devices: Any = 1
+    strategy: str = "auto"
+    num_nodes: int = 1
+    precision: Any = None
+    max_epochs: int = 6
+    min_epochs: Optional[int] = None
+    max_steps: int = -1
+    limit_train_batches: Any = None
+    limit_val_batches: Any = None
+    val_check_interval: Any = None
+    check_val_every_n_epoch: Optional[int] = 1
+    num_sanity_val_steps: Optional[int] = None
+    log_every_n_steps: Optional[int] = None
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: Optional[float] = None
+    gradient_clip_algorithm: Optional[str] = None
+    deterministic: Any = None
+    benchmark: Optional[bool] = None
+    enable_checkpointing: Optional[bool] = None
+    enable_progress_bar: Optional[bool] = None
+    enable_model_summary: Optional[bool] = None
+    default_root_dir: Optional[str] = None
+
+
+@dataclass
+class PinMonitorConfig:
+    """:class:`~lightning_pin.PinMonitor`: what is measured, logged and reported."""
+
+    _target_: str = "lightning_pin.PinMonitor"
+    drift: bool = True
+    weight_drift: bool = True
+    # True, False, or a torchmetrics Metric node (_target_: torchmetrics...).
+    accuracy: Any = True
+    name: Optional[str] = None
+    tolerance: float = 0.01
+    higher_is_better: Optional[bool] = None
+    max_gap: Optional[float] = None
+    max_gap_from_epoch: int = 0
+    on_max_gap: str = "stop"
+    predict: Optional[str] = None
+    dataloader_idx: int = 0
+    report: bool = True
+    report_dir: Optional[str] = None
+
+
+@dataclass
+class PinCallbackConfig:
+    """:class:`~lightning_pin.PinCallback`, less its pins: the app passes the pins of the ``pin`` group."""
+
+    _target_: str = "lightning_pin.PinCallback"
+    strict: bool = True
+    verify: str = "end"
+    verbose: bool = True
+    monitor: PinMonitorConfig = field(default_factory=PinMonitorConfig)
+
+
+@dataclass
+class PathsConfig:
+    #: Where this run writes (Hydra's run or job directory).
+    output_dir: str = MISSING
+    #: The directory the command was started from (relative paths in configs are taken from it).
+    work_dir: str = MISSING
+
+
+@dataclass
+class PretrainConfig:
+    """The plain fit (no pins) that makes the model to pin; skipped when ``ckpt_path`` is given."""
+
+    max_epochs: int = 8
+
+
+# ----------------------------------------------------------------------------------------------
+# train.yaml
+
+
+@dataclass
+class TrainConfig:
+    """The root of ``conf/train.yaml``: one key per group, and the run's own settings."""
+
+    data: Any = MISSING
+    model: Any = MISSING
+    optimizer: Any = MISSING
+    pin: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # name -> callback node; ``pin_callback`` is the PinCallback of the pinned retraining.
+    callbacks: Dict[str, Any] = field(default_factory=dict)
+    # name -> logger node (empty: no logger; the report is written to paths.output_dir anyway).
+    logger: Dict[str, Any] = field(default_factory=dict)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    #: Labels copied into run_summary.json (experiments set their own).
+    tags: List[str] = field(default_factory=list)
+    seed: int = 0
+    #: Load the model's weights from this Lightning checkpoint (or state dict) instead of pretraining.
+    ckpt_path: Optional[str] = None
+    #: torch's intra-op threads (null: torch's default, one per core).
+    torch_threads: Optional[int] = None
+    #: The run summary key returned to sweepers (Optuna maximizes or minimizes it).
+    optimized_metric: str = "final"
+
+
+_SCHEMAS: dict[str, dict[str, type]] = {
+    "schema/data": {"digits": DigitsDataConfig, "synthetic": SyntheticDataConfig},
+    "schema/model": {
+        "classifier": ClassifierConfig,
+        "cnn": CNNClassifierConfig,
+        "mlp": MLPClassifierConfig,
+        "transformer": TransformerClassifierConfig,
+    },
+    "schema/optimizer": {
+        "sgd": SGDConfig,
+        "adam": AdamConfig,
+        "adamw": AdamWConfig,
+        "rmsprop": RMSpropConfig,
+        "adagrad": AdagradConfig,
+    },
+    "schema/pin": {
+        "none": PinsConfig,
+        "elements": ElementPinsConfig,
+        "fraction": FractionPinsConfig,
+        "freeze_layers": FreezeLayersConfig,
+        "fault_map": FaultMapConfig,
+        "per_task": PerTaskConfig,
+    },
+    "schema/trainer": {"default": TrainerConfig},
+    "schema/callbacks": {"pin_callback": PinCallbackConfig},
+    "schema/paths": {"default": PathsConfig},
+    "schema": {"train": TrainConfig},
+}
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore, under ``schema/<group>/<name>``.
+
+    Call before Hydra composes (``lightning_pin.train`` does it on import; tests using Hydra's
+    compose API call it themselves). Storing twice replaces, so repeated calls are harmless.
+    """
+    store = ConfigStore.instance()
+    for group, nodes in _SCHEMAS.items():
+        for name, node in nodes.items():
+            store.store(group=group, name=name, node=node)

@@ -1,0 +1,149 @@
+"""The Hydra app end to end, in subprocesses as a user runs it: a 1-epoch run writes a report with
+exact pins, the console script forwards overrides, bad configs fail before training, and sweeps
+(basic and Optuna) leave a summary with one row per job."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_pin import cli
+from lightning_pin.app.models import Classifier, SmallCNN
+from lightning_pin.app.pins import UniformValues
+from lightning_pin.plan import fraction_indices
+
+ROOT = Path(__file__).resolve().parents[1]
+# Tiny runs: one epoch of pretraining and of retraining, a few batches each.
+TINY = ["trainer.max_epochs=1", "pretrain.max_epochs=1", "trainer.limit_train_batches=6"]
+CELLS = [(0, 0, 1, 1), (5, 0, 2, 2), (12, 0, 0, 1)]
+
+
+def run(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1")
+    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    result.output = result.stdout + result.stderr
+    return result
+
+
+def train(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "lightning_pin.train", *overrides], cwd=cwd)
+
+
+def state_dict(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def test_one_epoch_default_run_writes_a_report_with_exact_pins(tmp_path):
+    result = train(*TINY, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    assert "Pretraining SmallCNN" in result.output and "pins      exact: verified" in result.output
+
+    report = json.loads((tmp_path / "pin_report.json").read_text())
+    assert report["violations"] == 0 and report["pinned_elements"] == 7 + 230
+    assert None not in (report["baseline"], report["forced"], report["final"])
+    assert (tmp_path / "pin_report.png").stat().st_size > 0
+    summary = json.loads((tmp_path / "run_summary.json").read_text())
+    assert summary["pins_exact"] is True and summary["final"] == report["final"]
+    assert summary["choices"]["pin"] == "fraction" and summary["job"] is None
+
+    # The stuck cells hold their seeded random values bit for bit in the final weights, and
+    # differ from what pretraining left there: the pins were forced, not merely kept.
+    pretrained, pinned = state_dict(tmp_path / "pretrained.ckpt"), state_dict(tmp_path / "pinned.ckpt")
+    values = UniformValues(-1.0, 1.0, seed=1)
+    for name in ("backbone.features.0.weight", "backbone.features.2.weight"):
+        cells = fraction_indices(name, pinned[name].numel(), 0.05, 0)
+        expected = values(name, pinned[name]).reshape(-1)[cells]
+        assert torch.equal(pinned[name].reshape(-1)[cells], expected)
+        assert not torch.equal(pretrained[name].reshape(-1)[cells], expected)
+    # The free weights trained around them.
+    assert not torch.equal(pretrained["backbone.head.weight"], pinned["backbone.head.weight"])
+    # The report rebuilt from the logged CSV, and the checkpoint diff, agree that the pins held.
+    assert cli.main(["diff", str(tmp_path / "pretrained.ckpt"), str(tmp_path / "pinned.ckpt"), "--json"]) == 0
+    assert (tmp_path / "csv" / "pinned" / "metrics.csv").exists()
+
+
+def test_console_script_forwards_overrides_and_loads_ckpt_path(tmp_path):
+    torch.manual_seed(0)
+    start = Classifier(SmallCNN())
+    torch.save({"state_dict": start.state_dict()}, tmp_path / "start.pt")
+    script = Path(sys.executable).with_name("lightning-pin")
+    result = run(
+        [str(script), "train", *TINY, "pin=elements", "optimizer=adam", "ckpt_path=start.pt", "hydra.run.dir=out"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.output
+    assert "Loaded the model's weights from start.pt" in result.output and "Pretraining" not in result.output
+    out = tmp_path / "out"
+    assert not (out / "pretrained.ckpt").exists()
+    weight = state_dict(out / "pinned.ckpt")["backbone.features.0.weight"]
+    assert [weight[c].item() for c in CELLS] == [25.0, 5.0, 125.0]
+    assert json.loads((out / "run_summary.json").read_text())["choices"]["optimizer"] == "adam"
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trainer.max_epoch=3", "Key 'max_epoch' not in 'TrainerConfig'"),
+        ("pin.params=backbone.nothing.*", "matches no parameter of the module being trained"),
+        ("pin=fault_map", "Missing mandatory value: pin.fault_map"),
+    ],
+)
+def test_bad_config_fails_before_training(tmp_path, override, message):
+    result = train(override, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 1
+    assert message in result.output
+    assert "Pretraining" not in result.output and not (tmp_path / "pretrained.ckpt").exists()
+
+
+def test_multirun_writes_a_summary_row_per_job(tmp_path):
+    result = train(
+        "-m", *TINY, "pin.fraction=0.01,0.2", f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=job${hydra.job.num}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.output
+    with open(tmp_path / "sweep_summary.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert [row["overrides"].split()[-1] for row in rows] == ["pin.fraction=0.01", "pin.fraction=0.2"]
+    assert [int(row["pinned_elements"]) for row in rows] == [round(0.01 * 144) + round(0.01 * 4608), 29 + 922]
+    for row in rows:
+        assert row["pins_exact"] == "true" and row["violations"] == "0"
+        assert float(row["final"]) - float(row["baseline"]) == pytest.approx(-float(row["gap"]))
+        assert float(row["weight_drift"]) > 0
+    # The printed table shows what differs between the jobs, and what they share once, above it.
+    assert "lightning-pin sweep: 2 job(s)" in result.output and "pin.fraction=0.2" in result.output
+    assert "all jobs: trainer.max_epochs=1" in result.output
+
+
+def test_optuna_search_runs_two_trials(tmp_path):
+    result = train(
+        "hparams_search=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2", *TINY,
+        f"hydra.sweep.dir={tmp_path}", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.output
+    best = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    assert set(best["best_params"]) == {"optimizer.lr", "pin.fraction"}
+    with open(tmp_path / "sweep_summary.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == 2 and best["best_value"] == max(float(row["final"]) for row in rows)
+
+
+def test_ddp_sim_run_verifies_pins_from_spawned_workers(tmp_path):
+    # A given checkpoint skips the pretraining: one spawn of two processes instead of two.
+    torch.save({"state_dict": Classifier(SmallCNN()).state_dict()}, tmp_path / "start.pt")
+    result = train(
+        *TINY, "trainer=ddp_sim", "pin=elements", "ckpt_path=start.pt", f"hydra.run.dir={tmp_path}", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.output
+    summary = json.loads((tmp_path / "run_summary.json").read_text())
+    assert summary["choices"]["trainer"] == "ddp_sim" and summary["violations"] == 0
+    assert summary["final"] is not None  # read from the report rank 0 wrote
+    weight = state_dict(tmp_path / "pinned.ckpt")["backbone.features.0.weight"]
+    assert [weight[c].item() for c in CELLS] == [25.0, 5.0, 125.0]
