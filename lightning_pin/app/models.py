@@ -67,8 +67,8 @@ class Classifier(L.LightningModule):
         x, y = batch
         logits = self(x)
         loss = nn.functional.cross_entropy(logits, y)
-        self.log("val_loss", loss, batch_size=len(y))
-        self.log("val_acc", (logits.argmax(-1) == y).float().mean(), batch_size=len(y))
+        self.log("val_loss", loss, batch_size=len(y), sync_dist=True)
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean(), batch_size=len(y), sync_dist=True)
         return {"loss": loss, "preds": logits, "target": y}
 
     def configure_optimizers(self) -> Any:
