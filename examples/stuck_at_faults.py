@@ -36,8 +36,8 @@ def main() -> None:
     trainer(8, []).fit(model, data)
 
     # 5% of the cells of every conv weight, chosen by seed 0 and each parameter's name, stuck at
-    # values drawn (seed 1) in [-1, 1). realize() turns the value generator into tensors.
-    stuck_values = UniformValues(-1.0, 1.0, seed=1)
+    # values drawn (seed 1) in [-2, 2). realize() turns the value generator into tensors.
+    stuck_values = UniformValues(-2.0, 2.0, seed=1)
     faults = realize(Pin("backbone.features.*.weight", fraction=0.05, seed=0, value=stuck_values), model)
     monitor = PinMonitor(accuracy=True)
     callback = PinCallback([faults], monitor=monitor)

@@ -57,7 +57,7 @@ def test_one_epoch_default_run_writes_a_report_with_exact_pins(tmp_path):
     # The stuck cells hold their seeded random values bit for bit in the final weights, and
     # differ from what pretraining left there: the pins were forced, not merely kept.
     pretrained, pinned = state_dict(tmp_path / "pretrained.ckpt"), state_dict(tmp_path / "pinned.ckpt")
-    values = UniformValues(-1.0, 1.0, seed=1)
+    values = UniformValues(-2.0, 2.0, seed=1)  # conf/pin/fraction.yaml
     for name in ("backbone.features.0.weight", "backbone.features.2.weight"):
         cells = fraction_indices(name, pinned[name].numel(), 0.05, 0)
         expected = values(name, pinned[name]).reshape(-1)[cells]
