@@ -64,12 +64,24 @@ class StepStart(L.Callback):
 
 
 class StepEnd(L.Callback):
-    def __init__(self, start: StepStart) -> None:
+    def __init__(self, start: StepStart, out: str | None = None) -> None:
         self.start = start
+        self.out = out
         self.times: list[float] = []
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.times.append(time.perf_counter() - self.start.started)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        # Under ddp_spawn the timings live in the workers: rank 0 hands them over in a file.
+        if self.out is not None and trainer.global_rank == 0:
+            with open(self.out, "w") as handle:
+                json.dump(self.times, handle)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.out is not None and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
 
 
 def loader(width: int, steps: int, batch: int = 64) -> DataLoader:
@@ -93,6 +105,36 @@ def timed_fit(model: MLP, callbacks: list[L.Callback], data: DataLoader, warmup:
     )
     trainer.fit(model, data)
     return statistics.median(end.times[warmup:])
+
+
+def ddp_step_ratio(width: int, rounds: int, steps: int, warmup: int) -> float:
+    """Step time of 1%-pinned over unpinned DDP (ddp_spawn, 2 CPU processes), interleaved."""
+    import tempfile
+
+    ratios = []
+    for _ in range(rounds):
+        medians = {}
+        for name, setup in (("unpinned", lambda model: []), ("pinned", ours(0.01))):
+            torch.manual_seed(0)
+            model = MLP(width)
+            out = os.path.join(tempfile.mkdtemp(), "times.json")
+            start = StepStart()
+            trainer = L.Trainer(
+                accelerator="cpu",
+                devices=2,
+                strategy="ddp_spawn",
+                max_epochs=1,
+                callbacks=[start, *setup(model), StepEnd(start, out)],
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+            )
+            trainer.fit(model, loader(width, steps * 2))
+            with open(out) as handle:
+                medians[name] = statistics.median(json.load(handle)[warmup:])
+        ratios.append(medians["pinned"] / medians["unpinned"])
+    return statistics.median(ratios)
 
 
 @dataclass
@@ -240,15 +282,33 @@ def pin_bytes(callback: PinCallback) -> tuple[int, int]:
 
 
 def peak_rss_mb(width: int, case: str, steps: int) -> float:
-    """Peak RSS of a fresh process that trains ``steps`` steps of ``case``."""
+    """Peak RSS of a fresh process that trains ``steps`` steps of ``case``.
+
+    Read from /proc (VmHWM): ``ru_maxrss`` would carry the parent's peak across fork + exec.
+    """
     code = (
-        "import resource, sys, torch; sys.path.insert(0, %r); import bench;"
+        "import sys, torch; sys.path.insert(0, %r); import bench;"
         "torch.set_num_threads(2); m = bench.MLP(%d); cbs = bench.CASES_BY_NAME[%r](m);"
         "bench.timed_fit(m, cbs, bench.loader(%d, %d), 0);"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
     ) % (os.path.dirname(os.path.abspath(__file__)), width, case, width, steps)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1]) / 1024
+
+
+class ZeroGradsOnly(L.Callback):
+    """Zero the same gradients as a pin would, and nothing else: isolates what the optimizer
+    itself pays for zeros in its statistics (torch's CPU sqrt is slow on exact zeros)."""
+
+    def __init__(self, model: MLP, fraction: float) -> None:
+        self.entries = [
+            (model.get_parameter(name), fraction_indices(name, model.get_parameter(name).numel(), fraction, 0))
+            for name in weight_names(model)
+        ]
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        for parameter, index in self.entries:
+            parameter.grad.view(-1).index_fill_(0, index, 0)
 
 
 CASES_BY_NAME: dict[str, Callable[[MLP], list[L.Callback]]] = {
@@ -271,13 +331,21 @@ def setup_seconds(width: int, layers: int, fraction: float) -> tuple[float, int]
 # ---------------------------------------------------------------------------------------------
 
 
+# glibc returns large freed blocks to the OS and faults them in again on the next allocation:
+# every optimizer step's temporaries would then cost page faults whose count varies from fit to
+# fit and swamps a 1% difference. Keep freed memory in the process, for both sides alike.
+_STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
+
+
 def main() -> None:
+    if any(os.environ.get(k) != v for k, v in _STEADY_MALLOC.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_STEADY_MALLOC})
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small model and few steps (CI)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    width, rounds, steps, warmup = (400, 2, 8, 2) if args.quick else (2500, 3, 14, 3)
+    width, rounds, steps, warmup = (400, 2, 8, 2) if args.quick else (2500, 5, 20, 4)
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "width": width}
 
     print(f"lightning-pin benchmark  {results['date']}  {results['machine']}")
@@ -291,6 +359,7 @@ def main() -> None:
         Case("pinned 1%, no monitor", ours(0.01, monitor=False)),
         Case("pinned 20%", ours(0.2)),
         Case("pinned 50%", ours(0.5)),
+        Case("zeroed grads only 50%", lambda model: [ZeroGradsOnly(model, 0.5)]),
         Case("frozen halves", frozen_halves),
         Case("ours to zero 1%", ours(0.01, value=0.0)),
         Case("prune 1%", lambda model: pruned(model, 0.01)),
@@ -345,6 +414,12 @@ def main() -> None:
         scaling[4 * (size * size + size)] = ratio
         print(f"  {4 * (size * size + size) / 1e6:6.1f}M parameters: {ratio:.3f}")
     results["scaling"] = scaling
+
+    print("\nDDP, 2 CPU processes (ddp_spawn, one thread each): step time at 1% pinned / unpinned")
+    ddp_width = 400 if args.quick else 1000
+    ddp_ratio = ddp_step_ratio(ddp_width, 1 if args.quick else 3, 8 if args.quick else 16, 2)
+    results["ddp_step_time_ratio"] = ddp_ratio
+    print(f"  {4 * (ddp_width * ddp_width + ddp_width) / 1e6:.1f}M parameters: {ddp_ratio:.3f}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=2)

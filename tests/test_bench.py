@@ -1,0 +1,30 @@
+"""The benchmark's --quick mode runs end to end, so it never rots. No timing is asserted here
+(the machines are noisy): only that every section produced its figures, and the memory figure,
+which is deterministic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+
+
+def test_quick_benchmark_reports_every_section(tmp_path):
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--json", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    ratios = results["step_time_ratio"]
+    assert ratios["unpinned"] == 1.0
+    assert {"pinned 1%", "pinned 50%", "frozen halves", "prune 1%", "dense mask 1%"} <= set(ratios)
+    assert all(r > 0 for r in ratios.values())
+    # int32 indices + float32 targets: exactly 8 bytes per pinned element.
+    assert results["bytes_per_pinned_0.01"] == 8.0 and results["bytes_per_pinned_0.5"] == 8.0
+    assert results["naive_reset_worst_drift"] > 0  # the naive approach lets values drift
+    assert results["setup_seconds"]["params"] > 0 and results["ddp_step_time_ratio"] > 0
+    assert "step time / unpinned step time" in done.stdout and "prune / ours" in done.stdout
