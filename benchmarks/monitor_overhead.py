@@ -26,25 +26,10 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from bench import MLP  # the same model as the main benchmark (benchmarks/ is on sys.path)
 from lightning_pin import Pin, PinCallback
-
-
-class MLP(L.LightningModule):
-    def __init__(self, width: int, layers: int = 4) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        (x,) = batch
-        for layer in self.layers[:-1]:
-            x = torch.relu(layer(x))
-        return self.layers[-1](x).square().mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=1e-2)
 
 
 def timed_fit(width: int, steps: int, monitor: bool, log_every: int, logdir: str) -> tuple[float, float]:
