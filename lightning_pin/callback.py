@@ -117,7 +117,14 @@ class PinCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _refuse_unsupported_strategy(trainer)
         module = trainer.lightning_module
-        plan = resolve(self.pins, module, warn=rank_zero_warn)
+        try:
+            plan, rejected = resolve(self.pins, module, warn=rank_zero_warn), None
+            _refuse_sparse_gradients(plan, module)
+        except PinError as err:
+            plan, rejected = None, err
+        # A spec can fail on one rank only (a file missing on one node): every rank must raise,
+        # or the others would wait forever in the next collective.
+        _raise_if_any_rank_rejected(trainer, pl_module, rejected)
         _check_plans_agree(trainer, pl_module, plan)
         self.engine = PinEngine(plan)
         if self.monitor is not None:
@@ -153,7 +160,7 @@ class PinCallback(Callback):
             and trainer.local_rank == 0
             and self.engine is not None
         ):
-            torch.save(self.engine.state_dict(), self._handoff)
+            torch.save(self.state_dict(), self._handoff)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -265,14 +272,7 @@ class PinCallback(Callback):
         if pin_ids is None:
             pin_ids = self.engine.active
         parameters = None if module is None else dict(module.named_parameters())
-        violations = self.engine.violations(parameters, pin_ids)
-        if self.engine.sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Each rank checked its own shards: the verdict is the sum (every rank must call verify).
-            total = torch.tensor([sum(v.count for v in violations)], device=self.engine.device)
-            torch.distributed.all_reduce(total)
-            if int(total) and not violations:
-                raise PinError(f"{int(total)} pinned element(s) off target on other ranks' shards")
-        self._raise_if_off(violations)
+        self._raise_if_off(self.engine.violations(parameters, pin_ids))
 
     def _adopt_worker_state(self, module: nn.Module) -> None:
         """Take over the state a spawned rank 0 left behind (see ``on_fit_end``)."""
@@ -282,8 +282,14 @@ class PinCallback(Callback):
         engine.load_state_dict(state, strict=True)
         self.engine = engine
 
-    @staticmethod
-    def _raise_if_off(violations: list) -> None:
+    def _raise_if_off(self, violations: list) -> None:
+        if self.engine is not None and self.engine.sharded and torch.distributed.is_initialized():
+            # Each rank checked its own shards: the verdict is the sum, so that every rank raises
+            # together (every rank must call verify).
+            total = torch.tensor([sum(v.count for v in violations)], device=self.engine.device)
+            torch.distributed.all_reduce(total)
+            if int(total) and not violations:
+                raise PinError(f"{int(total)} pinned element(s) off target on other ranks' shards")
         if violations:
             total = sum(v.count for v in violations)
             raise PinError(f"{total} pinned element(s) off target:\n" + "\n".join(f"  {v}" for v in violations))
@@ -294,6 +300,9 @@ class PinCallback(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         if self.engine is None:
+            if os.path.exists(self._handoff):
+                # After ddp_spawn: the state rank 0 left, so a checkpoint saved now keeps it.
+                return torch.load(self._handoff, map_location="cpu", weights_only=True)
             return dict(self._loaded_state or {})
         state = self.engine.state_dict()
         if self.monitor is not None:
@@ -365,3 +374,27 @@ def _check_plans_agree(trainer: pl.Trainer, pl_module: pl.LightningModule, plan:
             "that holds on one rank only makes the replicas diverge. Build the same Pins on every rank "
             "(fraction + seed and files give identical selections everywhere)."
         )
+
+
+def _raise_if_any_rank_rejected(trainer: pl.Trainer, pl_module: pl.LightningModule, rejected: Any) -> None:
+    if trainer.world_size > 1:
+        flag = torch.tensor([int(rejected is not None)], device=pl_module.device)
+        if int(trainer.strategy.reduce(flag, reduce_op="max")) and rejected is None:
+            raise PinError("another rank rejected its pins (see its error); every rank stops before training")
+    if rejected is not None:
+        raise rejected
+
+
+def _refuse_sparse_gradients(plan: Any, module: nn.Module) -> None:
+    """Element pins need dense gradients; whole-tensor pins drop the gradient and need none."""
+    element_pinned = {
+        name for rp in plan.pins for name, selection in rp.selections.items() if selection.index is not None
+    }
+    for module_name, child in module.named_modules():
+        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse:
+            name = f"{module_name}.weight" if module_name else "weight"
+            if name in element_pinned:
+                raise PinError(
+                    f"{name!r} gets sparse gradients ({type(child).__name__}(sparse=True)), which element pins "
+                    "cannot mask; use sparse=False, or pin the whole tensor"
+                )

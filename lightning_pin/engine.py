@@ -310,7 +310,7 @@ class PinEngine:
         #: Targets captured at activation for pins with ``value=None``: pin id -> name -> values.
         self.captured: dict[int, dict[str, Tensor]] = {}
         self._targets: dict[frozenset[int], list[Target]] = {}
-        self._optimizer_names: dict[int, frozenset[str]] = {}
+        self._optimizer_names: dict[int, tuple[tuple[int, ...], frozenset[str]]] = {}
         self._optimizers: list[Optimizer] = []
         self._dropped: set[str] = set()
         self._after_restore: list[Callable[[], None]] = []
@@ -412,15 +412,23 @@ class PinEngine:
     def attach(self, optimizers: Sequence[Optimizer]) -> list[RemovableHandle]:
         """Restore pinned values after every ``step()`` of each optimizer; returns the hook handles."""
         handles = []
-        by_param = {id(p): name for name, p in self.plan.parameters.items()}
         for optimizer in optimizers:
-            names = frozenset(
-                by_param[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in by_param
-            )
-            self._optimizer_names[id(optimizer)] = names
             self._optimizers.append(optimizer)
             handles.append(optimizer.register_step_post_hook(self._post_step_hook))
         return handles
+
+    def _names_of(self, optimizer: Optimizer) -> frozenset[str]:
+        """The pinned parameters ``optimizer`` updates. Re-read when its groups change:
+        fine-tuning callbacks add param groups mid-training (``add_param_group``)."""
+        layout = tuple(len(group["params"]) for group in optimizer.param_groups)
+        cached = self._optimizer_names.get(id(optimizer))
+        if cached is None or cached[0] != layout:
+            by_param = {id(p): name for name, p in self.plan.parameters.items()}
+            names = frozenset(
+                by_param[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in by_param
+            )
+            cached = self._optimizer_names[id(optimizer)] = (layout, names)
+        return cached[1]
 
     def detach(self) -> None:
         """Forget the attached optimizers (call after removing the handles ``attach`` returned)."""
@@ -433,8 +441,10 @@ class PinEngine:
 
     def _owned(self, optimizer: Optimizer | None) -> list[Target]:
         targets = self.targets()
-        names = None if optimizer is None else self._optimizer_names.get(id(optimizer))
-        return targets if names is None else [t for t in targets if t.name in names]
+        if optimizer is None:
+            return targets
+        names = self._names_of(optimizer)
+        return [t for t in targets if t.name in names]
 
     @torch.no_grad()
     def mask_grads(self, optimizer: Optimizer | None = None) -> None:
@@ -531,7 +541,8 @@ class PinEngine:
             # collective: every rank activates the same pins at the same step.
             data = data.full_tensor()
         if selection.index is None:
-            return data.clone()
+            # Row-major, whatever the layout (channels_last): merging indexes it by flat position.
+            return data.clone(memory_format=torch.contiguous_format)
         flat, index = flat_view(data, selection.index)
         return flat.index_select(0, index)
 
@@ -669,7 +680,7 @@ def _merge_entries(entries: Sequence[tuple[Tensor | None, Tensor]]) -> tuple[Ten
     wholes = [i for i, (index, _) in enumerate(entries) if index is None]
     if wholes:
         first = wholes[0]
-        full = entries[first][1].clone()
+        full = entries[first][1].clone(memory_format=torch.contiguous_format)
         flat = full.view(-1)
         for index, values in entries[first + 1 :]:
             if index is None:

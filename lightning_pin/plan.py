@@ -463,6 +463,8 @@ def _value_tensor(pin: Pin, selection: Selection, raw: Any, warn: Callable[[str]
 def _numbers_tensor(pin: Pin, name: str, raw: Any, warn: Callable[[str], Any]) -> Tensor:
     """Python numbers as a tensor without losing digits: int64 if all are ints, else float64."""
     leaves = list(_leaves(raw))
+    if any(isinstance(x, bool) for x in leaves):
+        raise PinError(f"{pin!r}: value for {name!r} holds bools; pin numbers (e.g. 1.0 / 0.0)")
     try:
         if all(_is_int(x) for x in leaves) and all(-(2**63) <= x < 2**63 for x in leaves):
             return torch.tensor(raw, dtype=torch.int64)
@@ -490,6 +492,16 @@ def _leaves(raw: Any) -> Iterable[Any]:
 def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: nn.Parameter, warn: Callable[[str], Any]) -> Tensor:
     """Cast targets to the parameter's dtype: reject NaN, inf and overflow; warn when rounded."""
     dtype = parameter.dtype
+    if not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool:
+        # Integer parameters (quantized weights): a cast would wrap out-of-range values around.
+        info = torch.iinfo(dtype)
+        wide = values.to(torch.float64) if values.is_floating_point() else values
+        if values.is_floating_point() and not torch.isfinite(wide).all():
+            raise PinError(f"{pin!r}: value for {name!r} holds non-finite numbers; pin finite values")
+        outside = (wide < info.min) | (wide > info.max)
+        if outside.any():
+            bad = wide[outside][:3].tolist()
+            raise PinError(f"{pin!r}: values {bad} overflow {dtype} of {name!r} (range {info.min}..{info.max})")
     if not values.is_floating_point() and not dtype.is_floating_point:
         stored = values.to(dtype)
     else:
@@ -559,8 +571,9 @@ def _by_name(pin: Pin, field: str, name: str, source: Any, matched: Sequence[str
     """
     if not isinstance(source, Mapping):
         return source
-    if name in source:
-        return source[name]
+    for key in (name, _strip_compile_prefix(name)):
+        if key in source:
+            return source[key]
     if len(source) == 1 and len(matched) == 1:
         return next(iter(source.values()))
     raise PinError(f"{pin!r}: {field} has no entry for parameter {name!r}; its keys are {sorted(source)[:10]}")

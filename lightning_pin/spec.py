@@ -9,6 +9,7 @@ exists.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
@@ -177,12 +178,21 @@ def _feed(digest: Any, value: Any) -> None:
         digest.update(f"L{len(value)}".encode())
         for item in value:
             _feed(digest, item)
+    elif isinstance(value, functools.partial):
+        digest.update(b"P")
+        for part in (value.func, value.args, value.keywords):
+            _feed(digest, part)
     elif callable(value):
-        digest.update(f"F{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', repr(value))}".encode())
-        code = getattr(value, "__code__", None)
+        # Never a repr: it holds a memory address, different in every process.
+        owner = value if hasattr(value, "__qualname__") else type(value)
+        digest.update(f"F{owner.__module__}.{owner.__qualname__}".encode())
+        code = getattr(value, "__code__", None) or getattr(getattr(type(value), "__call__", None), "__code__", None)
         if code is not None:
             # Two lambdas share a qualname: tell them apart by their code, which is the same in
             # every process running the same source.
             _feed_code(digest, code)
+        if not hasattr(value, "__qualname__"):
+            _feed(digest, {k: v for k, v in vars(value).items()} if hasattr(value, "__dict__") else {})
     else:
-        digest.update(f"{type(value).__name__}:{value!r}".encode())
+        text = repr(value)
+        digest.update(f"{type(value).__name__}:{text if ' at 0x' not in text else ''}".encode())
