@@ -276,11 +276,14 @@ class PinCallback(Callback):
 
     def _adopt_worker_state(self, module: nn.Module) -> None:
         """Take over the state a spawned rank 0 left behind (see ``on_fit_end``)."""
-        state = torch.load(self._handoff, map_location="cpu", weights_only=True)
+        state = self._worker_state()
         os.remove(self._handoff)
         engine = PinEngine(resolve(self.pins, module, warn=lambda message: None))
         engine.load_state_dict(state, strict=True)
         self.engine = engine
+
+    def _worker_state(self) -> dict[str, Any]:
+        return torch.load(self._handoff, map_location="cpu", weights_only=True)
 
     def _raise_if_off(self, violations: list) -> None:
         if self.engine is not None and self.engine.sharded and torch.distributed.is_initialized():
@@ -302,7 +305,7 @@ class PinCallback(Callback):
         if self.engine is None:
             if os.path.exists(self._handoff):
                 # After ddp_spawn: the state rank 0 left, so a checkpoint saved now keeps it.
-                return torch.load(self._handoff, map_location="cpu", weights_only=True)
+                return self._worker_state()
             return dict(self._loaded_state or {})
         state = self.engine.state_dict()
         if self.monitor is not None:

@@ -481,8 +481,10 @@ class PinEngine:
         skips = optimizer is not None and type(optimizer) in _SKIPS_NONE_GRADS
         # A wholly pinned tensor whose grad was dropped was skipped by such an optimizer: it
         # still holds its target, and copying it back would cost a full pass over it.
-        untouched = [t for t in owned if skips and t.index is None and t.name in self._dropped]
-        todo = [t for t in owned if not (skips and t.index is None and t.name in self._dropped)]
+        untouched, todo = [], []
+        for target in owned:
+            skipped = skips and target.index is None and target.name in self._dropped
+            (untouched if skipped else todo).append(target)
         self._dropped.difference_update(t.name for t in owned)
         moved = [self._deviation(t) for t in todo] if self.measure else None
         self._write(todo)

@@ -622,9 +622,3 @@ def _common(a: Selection, b: Selection) -> tuple[Tensor, Tensor]:
     shared = a.index[in_b]
     return a.values[in_b], b.values[torch.searchsorted(b.index, shared)]
 
-
-def iter_selections(plan: PinPlan, pin_ids: Iterable[int]) -> Iterable[tuple[int, Selection]]:
-    """``(pin id, selection)`` for every selection of the given pins."""
-    for pin_id in pin_ids:
-        for selection in plan.pins[pin_id].selections.values():
-            yield pin_id, selection
