@@ -30,7 +30,7 @@ from torch.nn.utils import prune
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pin import Pin, PinCallback
-from lightning_pin.plan import fraction_indices, resolve
+from lightning_pin.core.plan import fraction_indices, resolve
 
 
 # ---------------------------------------------------------------------------------------------

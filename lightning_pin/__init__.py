@@ -1,10 +1,31 @@
 """lightning-pin: pin chosen parameters, whole tensors or single elements, to exact values while
-the rest of the network trains."""
+the rest of the network trains.
 
-from lightning_pin.callback import PinCallback
-from lightning_pin.errors import AccuracyGapError, PinError
-from lightning_pin.monitor import PinMonitor
-from lightning_pin.spec import Pin
+``from lightning_pin import pin, Pin, PinError`` imports torch only: the Lightning layer
+(:class:`PinCallback`, :class:`PinMonitor`) loads on first use.
+"""
+
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+from lightning_pin.core.errors import AccuracyGapError, PinError
+from lightning_pin.core.spec import Pin
+
+if TYPE_CHECKING:
+    from lightning_pin.callbacks import PinCallback, PinMonitor
+
+try:
+    __version__ = version("lightning-pin")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0.0.0"
+
+_LIGHTNING_LAYER = {"PinCallback": "lightning_pin.callbacks", "PinMonitor": "lightning_pin.callbacks"}
 
 __all__ = ["AccuracyGapError", "Pin", "PinCallback", "PinError", "PinMonitor"]
-__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LIGHTNING_LAYER:
+        return getattr(import_module(_LIGHTNING_LAYER[name]), name)
+    raise AttributeError(f"module 'lightning_pin' has no attribute {name!r}")

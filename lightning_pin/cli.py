@@ -79,7 +79,7 @@ def _train(overrides: Sequence[str]) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from lightning_pin import report as reporting
+    from lightning_pin.reporting import report as reporting
 
     csv_path = reporting.find_metrics_csv(args.run_dir)
     higher_is_better = None if args.lower_is_better is None else not args.lower_is_better
@@ -92,7 +92,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from lightning_pin import diff as ckpt_diff
+    from lightning_pin.reporting import diff as ckpt_diff
 
     result = ckpt_diff.diff_checkpoints(ckpt_diff.load_checkpoint(args.a), ckpt_diff.load_checkpoint(args.b))
     if args.json:

@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 import lightning_pin
 from lightning_pin import Pin, PinCallback, PinError, PinMonitor
 from lightning_pin.app.pins import UniformValues, fault_map_pins, random_fault_map, realize
-from lightning_pin.config import TrainerConfig, register_configs
-from lightning_pin.plan import fraction_indices, resolve
-from lightning_pin.train import build_loggers, build_pin_callback, build_pins, build_trainer
+from lightning_pin.app.config import TrainerConfig, register_configs
+from lightning_pin.core.plan import fraction_indices, resolve
+from lightning_pin.app.train import build_loggers, build_pin_callback, build_pins, build_trainer
 
 from helpers import TinyNet, make_loader, trainer
 
@@ -246,7 +246,7 @@ def test_every_schema_field_is_an_argument_of_its_target():
 
     from hydra.utils import get_method
 
-    from lightning_pin import config
+    from lightning_pin.app import config
 
     checked = []
     for schema in vars(config).values():

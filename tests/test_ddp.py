@@ -14,7 +14,7 @@ import torch.distributed as dist
 from helpers import StepRecorder, TinyNet, check_pins, flat_index, make_loader, snapshot, trainer
 
 from lightning_pin import Pin, PinCallback, PinError
-from lightning_pin.plan import fraction_indices
+from lightning_pin.core.plan import fraction_indices
 
 ENC_COORDS = [(0, 0), (5, 7), (11, 2)]
 ENC_VALUES = [1.5, -2.0, 0.0]

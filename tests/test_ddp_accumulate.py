@@ -10,7 +10,7 @@ from helpers import check_pins, flat_index, make_loader, trainer
 from test_ddp import DDPNet, RankRecorder
 
 from lightning_pin import Pin, PinCallback
-from lightning_pin.plan import fraction_indices
+from lightning_pin.core.plan import fraction_indices
 
 COORDS = [(1, 1), (7, 3)]
 VALUES = [0.25, -3.0]

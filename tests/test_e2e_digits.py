@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_pin import Pin, PinCallback, PinMonitor
 from lightning_pin.cli import main
-from lightning_pin.plan import resolve
+from lightning_pin.core.plan import resolve
 
 pytest.importorskip("sklearn")
 from lightning_pin.app.data import DigitsDataModule  # noqa: E402

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import BackboneFinetuning
 from torch import nn
 
 from lightning_pin import Pin, PinCallback, PinError
-from lightning_pin.plan import resolve
+from lightning_pin.core.plan import resolve
 
 
 class BackboneNet(L.LightningModule):

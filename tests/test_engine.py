@@ -1,4 +1,4 @@
-"""Unit tests of lightning_pin.engine, with torch only (no Lightning).
+"""Unit tests of lightning_pin.core.engine, with torch only (no Lightning).
 
 Expected values are computed here by indexing the tensors with the pinned coordinates, never by
 asking the engine for its targets.
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from lightning_pin import Pin, PinError
-from lightning_pin.engine import PinEngine, Violation
-from lightning_pin.plan import resolve
+from lightning_pin.core.engine import PinEngine, Violation
+from lightning_pin.core.plan import resolve
 
 
 class Net(nn.Module):

@@ -14,7 +14,7 @@ from helpers import TinyNet, make_loader, trainer
 from safetensors.torch import save_file
 
 from lightning_pin import Pin, PinCallback, PinError
-from lightning_pin.plan import resolve
+from lightning_pin.core.plan import resolve
 
 # A valid pin put before every bad spec: if pins were applied one by one as they resolve, it
 # would move encoder.bias to 0.5, and the "no weight changed" checks would catch it.

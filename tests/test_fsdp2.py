@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_pin.plan import fraction_indices
+from lightning_pin.core.plan import fraction_indices
 
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
 ELEMENTS = [((0, 0), 25.0), ((9, 3), 5.0), ((15, 7), -0.5)]

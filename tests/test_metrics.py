@@ -1,4 +1,4 @@
-"""The metrics of lightning_pin.metrics on hand-computed cases, with the engine and no Lightning.
+"""The metrics of lightning_pin.callbacks.metrics on hand-computed cases, with the engine and no Lightning.
 
 Every value below is exact in float32 (sums and products of small dyadic numbers), so the
 assertions compare with == and torch.equal, never with a tolerance.
@@ -9,18 +9,18 @@ import torch
 from torch import nn
 
 from lightning_pin import Pin
-from lightning_pin.engine import PinEngine, StepStats
-from lightning_pin.metrics import (
+from lightning_pin.core.engine import PinEngine, StepStats
+from lightning_pin.callbacks.metrics import (
     FreeWeights,
     PinDrift,
     PinViolations,
-    Preservation,
     WeightDrift,
     count_off_target,
     pinned_indices,
     top_level_groups,
 )
-from lightning_pin.plan import resolve
+from lightning_pin.core.plan import resolve
+from lightning_pin.reporting.preservation import Preservation
 
 PINNED = [(0, 0), (1, 1)]  # flat indices 0 and 3 of a.weight
 PIN_VALUES = [0.5, -2.0]

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.regression import MeanSquaredError
 
 from lightning_pin import AccuracyGapError, Pin, PinCallback, PinMonitor
-from lightning_pin.engine import StepStats
-from lightning_pin.metrics import PinDrift, PinViolations, WeightDrift
+from lightning_pin.core.engine import StepStats
+from lightning_pin.callbacks.metrics import PinDrift, PinViolations, WeightDrift
 
 
 class MemoryLogger(Logger):

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 
 from helpers import TinyNet, make_loader, trainer
 from lightning_pin import Pin, PinCallback, PinError
-from lightning_pin.plan import fraction_indices
+from lightning_pin.core.plan import fraction_indices
 
 STEPS = 5
 BATCH = 8

@@ -1,4 +1,4 @@
-"""Unit tests for lightning_pin.plan.resolve(): matching, selections, values, dtypes, summary."""
+"""Unit tests for lightning_pin.core.plan.resolve(): matching, selections, values, dtypes, summary."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lightning_pin import Pin, PinError
-from lightning_pin.engine import PinEngine
-from lightning_pin.plan import compact_index, fraction_indices, resolve
+from lightning_pin.core.engine import PinEngine
+from lightning_pin.core.plan import compact_index, fraction_indices, resolve
 
 
 class Net(nn.Module):

@@ -21,8 +21,8 @@ from torch import nn
 
 from helpers import TinyNet, make_loader, trainer
 from lightning_pin import Pin, PinCallback
-from lightning_pin.engine import PinEngine
-from lightning_pin.plan import fraction_indices, resolve
+from lightning_pin.core.engine import PinEngine
+from lightning_pin.core.plan import fraction_indices, resolve
 
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 

@@ -11,8 +11,8 @@ from helpers import TinyNet, make_loader, trainer
 
 from lightning_pin import Pin, PinCallback
 from lightning_pin.cli import main
-from lightning_pin.diff import diff_checkpoints, format_diff, load_checkpoint
-from lightning_pin.report import make_report, read_metrics_csv, report_from_csv, write_report
+from lightning_pin.reporting.diff import diff_checkpoints, format_diff, load_checkpoint
+from lightning_pin.reporting.report import make_report, read_metrics_csv, report_from_csv, write_report
 
 REQUIRED = (
     "metric", "baseline", "forced", "final", "gap", "recovered_step",

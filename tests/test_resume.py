@@ -10,7 +10,7 @@ from helpers import StepRecorder, TinyNet, check_pins, flat_index, make_loader, 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_pin import Pin, PinCallback, PinError
-from lightning_pin.plan import fraction_indices
+from lightning_pin.core.plan import fraction_indices
 
 ENC_FRACTION = fraction_indices("encoder.weight", 128, 0.25, 3)
 HEAD_COORDS = [(0, 1), (2, 5)]

@@ -1,4 +1,4 @@
-"""Unit tests for lightning_pin.spec: Pin construction, from_config, repr, fingerprint, pickling."""
+"""Unit tests for lightning_pin.core.spec: Pin construction, from_config, repr, fingerprint, pickling."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
 from lightning_pin import Pin, PinCallback, PinError
-from lightning_pin.plan import resolve, resolve_when
+from lightning_pin.core.plan import resolve, resolve_when
 
 
 def module_when(batch, batch_idx):

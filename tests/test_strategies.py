@@ -8,7 +8,7 @@ import pytest
 from lightning.pytorch.strategies import FSDPStrategy, SingleDeviceStrategy
 
 from lightning_pin import PinError
-from lightning_pin.callback import _refuse_unsupported_strategy
+from lightning_pin.callbacks.pin_callback import _refuse_unsupported_strategy
 
 
 def fake_trainer(strategy):

@@ -18,7 +18,7 @@ import yaml
 from lightning_pin import cli
 from lightning_pin.app.models import Classifier, SmallCNN
 from lightning_pin.app.pins import UniformValues
-from lightning_pin.plan import fraction_indices
+from lightning_pin.core.plan import fraction_indices
 
 ROOT = Path(__file__).resolve().parents[1]
 # Tiny runs: one epoch of pretraining and of retraining, a few batches each.

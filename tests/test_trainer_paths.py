@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pin import Pin, PinCallback, PinError
-from lightning_pin.plan import fraction_indices
+from lightning_pin.core.plan import fraction_indices
 
 ENC_COORDS = [(0, 0), (3, 5), (15, 7)]
 ENC_VALUES = [1.5, -2.0, 0.0]

@@ -22,9 +22,9 @@ from typing import Union
 import torch
 from torch import Tensor, nn
 
-from lightning_pin.errors import PinError
-from lightning_pin.plan import fraction_indices, name_seed, resolve
-from lightning_pin.spec import Pin
+from lightning_pin.core.errors import PinError
+from lightning_pin.core.plan import fraction_indices, name_seed, resolve
+from lightning_pin.core.spec import Pin
 
 
 class ValueGenerator:

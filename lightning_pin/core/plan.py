@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pin.errors import PinError
-from lightning_pin.spec import Pin
+from lightning_pin.core.errors import PinError
+from lightning_pin.core.spec import Pin
 
 _TENSOR_FILE_SUFFIXES = (".pt", ".pth", ".safetensors")
 
@@ -68,7 +68,7 @@ class ResolvedPin:
 
 @dataclasses.dataclass
 class PinPlan:
-    """Every pin resolved on one module: what :class:`~lightning_pin.engine.PinEngine` executes."""
+    """Every pin resolved on one module: what :class:`~lightning_pin.core.engine.PinEngine` executes."""
 
     pins: list[ResolvedPin]
     #: The parameters any pin selects from, by name.

@@ -1,8 +1,8 @@
 """PinMonitor: what :class:`~lightning_pin.PinCallback` measures, logs and reports.
 
 The callback's hooks call the monitor's methods of the same names; the monitor decides what to
-measure and when, feeds the metrics of :mod:`lightning_pin.metrics`, logs them through the
-trainer's loggers under ``pin/...`` and writes the report of :mod:`lightning_pin.report`.
+measure and when, feeds the metrics of :mod:`lightning_pin.callbacks.metrics`, logs them through the
+trainer's loggers under ``pin/...`` and writes the report of :mod:`lightning_pin.reporting.report`.
 
 What it costs: pin drift and violations read the pinned elements once on logging steps (every
 ``trainer.log_every_n_steps``); weight drift reads every trainable weight on those steps and keeps
@@ -27,14 +27,15 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 from torchmetrics.classification import BinaryAccuracy, MulticlassAccuracy
 
-from lightning_pin import report as reporting
-from lightning_pin.engine import PinEngine
-from lightning_pin.errors import AccuracyGapError, PinError
-from lightning_pin.metrics import (
+from lightning_pin.callbacks._compat import setup_validation_data
+from lightning_pin.reporting import report as reporting
+from lightning_pin.reporting.preservation import Preservation
+from lightning_pin.core.engine import PinEngine
+from lightning_pin.core.errors import AccuracyGapError, PinError
+from lightning_pin.callbacks.metrics import (
     FreeWeights,
     PinDrift,
     PinViolations,
-    Preservation,
     WeightDrift,
     count_off_target,
     pinned_indices,
@@ -92,7 +93,7 @@ class PinMonitor:
         higher_is_better: Direction of the metric (default: the metric's own ``higher_is_better``).
         max_gap: Guard: when, at a validation of epoch ``max_gap_from_epoch`` or later, the gap
             exceeds this, stop training (``on_max_gap="stop"``) or raise
-            :class:`~lightning_pin.errors.AccuracyGapError` (``"raise"``). ``None``: no guard.
+            :class:`~lightning_pin.core.errors.AccuracyGapError` (``"raise"``). ``None``: no guard.
         max_gap_from_epoch: First epoch (0-based) whose validations the guard checks.
         on_max_gap: ``"stop"`` or ``"raise"``.
         predict: ``callable(module, batch) -> (preds, target)`` (or its import path) for batches
@@ -407,7 +408,7 @@ class PinMonitor:
             self._engine.measure = False
 
     def results(self) -> dict[str, Any]:
-        """The report: the dict written as ``pin_report.json`` (see :func:`~lightning_pin.report.make_report`)."""
+        """The report: the dict written as ``pin_report.json`` (see :func:`~lightning_pin.reporting.report.make_report`)."""
         p = self.preservation
         return reporting.make_report(
             metric=self.name if self._tracking else None,
@@ -458,16 +459,7 @@ class PinMonitor:
     # Evaluation
 
     def _val_loader(self, trainer: pl.Trainer) -> tuple[Any, float]:
-        val_loop = trainer.fit_loop.epoch_loop.val_loop
-        source = getattr(val_loop, "_data_source", None)
-        if trainer.val_dataloaders is None and (source is None or source.is_defined()):
-            # Lightning sets the validation data up before on_train_start only when the first
-            # epoch validates; set it up the way its fit loop does.
-            trainer.validating = True
-            try:
-                val_loop.setup_data()
-            finally:
-                trainer.training = True
+        setup_validation_data(trainer)
         loaders = trainer.val_dataloaders
         if loaders is None:
             return None, 0

@@ -1,4 +1,4 @@
-"""Tensor mechanics on a :class:`~lightning_pin.plan.PinPlan`, with torch only (no Lightning).
+"""Tensor mechanics on a :class:`~lightning_pin.core.plan.PinPlan`, with torch only (no Lightning).
 
 :class:`PinEngine` masks the gradients of pinned elements before an optimizer step, restores
 pinned values right after it (from a ``register_step_post_hook``), zeroes the optimizer
@@ -27,8 +27,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_pin.errors import PinError
-from lightning_pin.plan import PinPlan, Selection
+from lightning_pin.core.errors import PinError
+from lightning_pin.core.plan import PinPlan, Selection
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard

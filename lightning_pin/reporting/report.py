@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_pin.metrics import Preservation
+from lightning_pin.reporting.preservation import Preservation
 
 REPORT_JSON = "pin_report.json"
 REPORT_PNG = "pin_report.png"

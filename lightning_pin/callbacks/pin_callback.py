@@ -11,17 +11,17 @@ from typing import Any, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pin.engine import PinEngine
-from lightning_pin.errors import PinError
-from lightning_pin.monitor import PinMonitor
-from lightning_pin.plan import resolve
-from lightning_pin.spec import Pin
+from lightning_pin.callbacks._compat import runs_in_spawned_workers
+from lightning_pin.core.engine import PinEngine
+from lightning_pin.core.errors import PinError
+from lightning_pin.callbacks.monitor import PinMonitor
+from lightning_pin.core.plan import resolve
+from lightning_pin.core.spec import Pin
 
 _VERIFY_CHOICES = ("step", "epoch", "end", "never")
 
@@ -156,7 +156,7 @@ class PinCallback(Callback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if (
-            isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
+            runs_in_spawned_workers(trainer)
             and trainer.local_rank == 0
             and self.engine is not None
         ):

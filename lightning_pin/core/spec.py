@@ -2,7 +2,7 @@
 
 A ``Pin`` only records what the user asked for. Nothing here looks at a model: resolving a pin
 against the parameters of the module being trained, and every check that needs them, lives in
-:mod:`lightning_pin.plan`, so a spec can be written (or composed by Hydra) long before a model
+:mod:`lightning_pin.core.plan`, so a spec can be written (or composed by Hydra) long before a model
 exists.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Union
 
 import torch
 
-from lightning_pin.errors import PinError
+from lightning_pin.core.errors import PinError
 
 #: Anything that selects or supplies values: tensors, nested lists of numbers, file paths.
 PinValue = Union[None, float, int, Sequence[float], torch.Tensor, str, Mapping[str, Any]]

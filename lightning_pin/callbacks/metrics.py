@@ -9,15 +9,15 @@ read them on the host: call ``compute()`` only where you log.
 - :class:`PinViolations`: pinned elements found off target (must stay 0);
 - :class:`WeightDrift`: L2 distance of the free weights from a reference (fit start), in total,
   per top-level module and relative to their norm; :class:`FreeWeights` measures it;
-- :class:`Preservation`: a quality metric's baseline, forced and current values, the gap, and the
-  step at which it recovered.
+
+(:class:`~lightning_pin.reporting.preservation.Preservation`, the accuracy bookkeeping, is pure
+Python and lives with the reports.)
 
 Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
@@ -25,15 +25,15 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_pin.engine import StepStats, Target
-from lightning_pin.plan import PinPlan
+from lightning_pin.core.engine import StepStats, Target
+from lightning_pin.core.plan import PinPlan
 
 
 class PinDrift(Metric):
     r"""How far the optimizer moved pinned elements in a step, measured before the restore.
 
-    Fed with the :class:`~lightning_pin.engine.StepStats` that a measured
-    :meth:`PinEngine.restore <lightning_pin.engine.PinEngine.restore>` records. ``compute()`` returns
+    Fed with the :class:`~lightning_pin.core.engine.StepStats` that a measured
+    :meth:`PinEngine.restore <lightning_pin.core.engine.PinEngine.restore>` records. ``compute()`` returns
     ``{"max": ..., "mean": ...}``: the largest ``|value - target|`` of any pinned element right
     after the optimizer's update, and the mean over every pinned element of every update since the
     last reset. Large values mean training pushes hard against the pins; 0 means it does not.
@@ -41,7 +41,7 @@ class PinDrift(Metric):
     Example::
 
         >>> import torch
-        >>> from lightning_pin.engine import StepStats
+        >>> from lightning_pin.core.engine import StepStats
         >>> drift = PinDrift()
         >>> drift.update(StepStats(torch.tensor(0.5), torch.tensor(0.75), elements=3, violations=torch.tensor(0)))
         >>> {key: value.item() for key, value in drift.compute().items()}
@@ -71,7 +71,7 @@ class PinViolations(Metric):
     r"""Pinned elements found off target, summed over the updates since the last reset.
 
     The guarantee of :class:`~lightning_pin.PinCallback` is that this stays 0. Feed it
-    :attr:`StepStats.violations <lightning_pin.engine.StepStats.violations>` (off target right
+    :attr:`StepStats.violations <lightning_pin.core.engine.StepStats.violations>` (off target right
     after a restore) or :func:`count_off_target` (off target now, e.g. after something else wrote
     to the weights between steps).
 
@@ -307,85 +307,3 @@ def pinned_indices(plan: PinPlan) -> dict[str, Optional[Tensor]]:
         else:
             out[name] = torch.cat([s.index for s in selections]).unique()
     return out
-
-
-class Preservation:
-    """Whether a quality metric came back: its baseline, forced and current values, the gap, the recovery.
-
-    The *gap* is how much worse than the baseline a value is, in the metric's units: ``baseline -
-    value`` when higher is better (accuracy, F1), ``value - baseline`` when lower is better (MSE).
-    Positive is worse. The metric has *recovered* at the first recorded step (the forced one
-    included) whose gap is within ``tolerance``.
-
-    Args:
-        higher_is_better: Direction of the metric.
-        tolerance: The largest gap that counts as preserved (0.01 is one accuracy point).
-
-    Example::
-
-        >>> p = Preservation(higher_is_better=True, tolerance=0.01)
-        >>> p.baseline = 0.96
-        >>> p.record(0, 0.80, forced=True)
-        >>> p.record(20, 0.94); p.record(40, 0.955)
-        >>> p.forced, p.final, round(p.gap(p.final), 3), p.recovered_step
-        (0.8, 0.955, 0.005, 40)
-    """
-
-    def __init__(self, higher_is_better: bool = True, tolerance: float = 0.01) -> None:
-        if not (tolerance >= 0 and math.isfinite(tolerance)):
-            raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
-        self.higher_is_better = higher_is_better
-        self.tolerance = float(tolerance)
-        #: The value before any pin is forced.
-        self.baseline: Optional[float] = None
-        #: The value right after forcing the pinned values, before any training.
-        self.forced: Optional[float] = None
-        #: ``[step, value]`` pairs, the forced value first.
-        self.history: list[list[float]] = []
-        #: The first step whose gap was within the tolerance, None until then.
-        self.recovered_step: Optional[int] = None
-
-    def gap(self, value: float) -> Optional[float]:
-        """How much worse than the baseline ``value`` is (positive: worse); None without a baseline."""
-        if self.baseline is None:
-            return None
-        return self.baseline - value if self.higher_is_better else value - self.baseline
-
-    def within(self, value: float) -> bool:
-        """Whether ``value`` is within the tolerance of the baseline (gaps compared at 1e-9)."""
-        gap = self.gap(value)
-        return gap is not None and round(gap, 9) <= self.tolerance
-
-    def record(self, step: int, value: float, forced: bool = False) -> None:
-        """Record ``value`` measured after ``step`` optimizer steps (``forced``: the forced one)."""
-        if forced:
-            self.forced = value
-        self.history.append([int(step), float(value)])
-        if self.recovered_step is None and self.within(value):
-            self.recovered_step = int(step)
-
-    @property
-    def final(self) -> Optional[float]:
-        """The last recorded value."""
-        return self.history[-1][1] if self.history else None
-
-    @property
-    def last_step(self) -> Optional[int]:
-        """The step of the last recorded value."""
-        return int(self.history[-1][0]) if self.history else None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "higher_is_better": self.higher_is_better,
-            "tolerance": self.tolerance,
-            "baseline": self.baseline,
-            "forced": self.forced,
-            "history": [list(row) for row in self.history],
-            "recovered_step": self.recovered_step,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.baseline = state.get("baseline")
-        self.forced = state.get("forced")
-        self.history = [list(row) for row in state.get("history", [])]
-        self.recovered_step = state.get("recovered_step")

@@ -1,0 +1,285 @@
+"""The Hydra app: the whole pinning story in one command.
+
+    python -m lightning_pin.train [overrides]        # or: lightning-pin train [overrides]
+    python -m lightning_pin.train -m pin.fraction=0.01,0.05,0.2 optimizer=sgd,adamw
+
+1. Build everything the config describes (data, model, optimizer, pins, callbacks, loggers,
+   trainers) and resolve the pins on the model, so a bad config fails in seconds, before any
+   training.
+2. Pretrain the model without pins (saved as ``pretrained.ckpt``), or load ``ckpt_path``.
+3. Retrain with :class:`~lightning_pin.PinCallback`. Its :class:`~lightning_pin.PinMonitor`
+   measures the accuracy before any pin (baseline), right after forcing the pins without
+   training (forced), and after every validation; at the end it writes ``pin_report.json`` and
+   ``pin_report.png`` into the run directory.
+4. Verify that every pinned element is on its target bit for bit (``PinCallback.verify``) and save
+   ``pinned.ckpt`` (``lightning-pin diff pretrained.ckpt pinned.ckpt`` shows what moved).
+5. Write ``run_summary.json`` (what a sweep's summary table is made of) and print a short summary.
+
+The configs are in ``conf/`` at the top of the repository; their schema is
+:mod:`lightning_pin.app.config`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import get_class, instantiate
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig
+
+from lightning_pin.app.pins import fault_map_pins, realize
+from lightning_pin.callbacks.pin_callback import PinCallback
+from lightning_pin.app.config import register_configs
+from lightning_pin.core.plan import resolve
+from lightning_pin.reporting.report import REPORT_JSON, REPORT_PNG
+from lightning_pin.core.spec import Pin
+from lightning_pin.app.sweep import RUN_SUMMARY
+
+log = logging.getLogger("lightning_pin.train")
+
+PRETRAINED_CKPT = "pretrained.ckpt"
+PINNED_CKPT = "pinned.ckpt"
+#: Keys of run_summary.json a sweeper may optimize (``optimized_metric``).
+OPTIMIZABLE = ("baseline", "forced", "final", "gap", "pin_drift_max", "weight_drift", "weight_drift_relative")
+
+register_configs()
+
+# The data sets live in memory: loader workers would only add start-up time.
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+# Lightning 2.6 calls a torch pytree API that newer torch deprecates; nothing the user can act on.
+warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\).*")
+
+
+#: The Hydra config groups: conf/ at the top of a source checkout (shipped inside the wheel as
+#: lightning_pin/conf). An absolute path, so the app finds it from any working directory and
+#: however it is started (python -m, the lightning-pin script, a test).
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+def main(cfg: DictConfig) -> Optional[float]:
+    """Run one job; return ``optimized_metric`` of its summary (what Optuna optimizes)."""
+    summary = run(cfg)
+    return summary[cfg.optimized_metric]
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Pretrain, pin, retrain, verify, report. Returns the run summary (also in ``run_summary.json``)."""
+    started = time.perf_counter()
+    if cfg.optimized_metric not in OPTIMIZABLE:
+        raise ValueError(f"optimized_metric={cfg.optimized_metric!r} is not one of {list(OPTIMIZABLE)}")
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    output_dir = Path(cfg.paths.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    # 1. Everything is built, and the pins resolved on the model, before the first step.
+    datamodule = instantiate(cfg.data, _convert_="all")
+    optimizer = instantiate(cfg.optimizer, _convert_="all")
+    # Objects go in through partials: instantiate(node, **objects) would copy them into the config.
+    model = instantiate(cfg.model, _partial_=True, _convert_="all")(optimizer=optimizer)
+    check_classes(model, datamodule)
+    pins = build_pins(cfg.pin, model)
+    plan = resolve(pins, model)  # raises PinError naming any pin that cannot be honoured
+    pin_callback = build_pin_callback(cfg, pins)
+    others = [instantiate(node, _convert_="all") for name, node in cfg.callbacks.items() if name != "pin_callback"]
+    pretrainer = build_trainer(cfg, "pretrain", callbacks=[], max_epochs=cfg.pretrain.max_epochs)
+    trainer = build_trainer(cfg, "pinned", callbacks=[pin_callback, *others])
+
+    # 2. The model to pin.
+    if cfg.ckpt_path:
+        load_weights(model, cfg.ckpt_path)
+        log.info(f"Loaded the model's weights from {cfg.ckpt_path} (no pretraining)")
+    else:
+        log.info(f"Pretraining {type(model.backbone).__name__} without pins for {cfg.pretrain.max_epochs} epochs")
+        pretrainer.fit(model, datamodule)
+        pretrainer.save_checkpoint(output_dir / PRETRAINED_CKPT, weights_only=False)
+
+    # 3. Baseline, forced, retraining with the pins (PinMonitor measures at train start).
+    pinned = sum(plan.pinned_counts().values())
+    log.info(f"Retraining with {len(pins)} pin(s) on {pinned:,} elements for {cfg.trainer.max_epochs} epochs")
+    trainer.fit(model, datamodule)
+
+    # 4. Exactness, on the model as it came back from training (after ddp_spawn too).
+    pin_callback.verify(model)
+    trainer.save_checkpoint(output_dir / PINNED_CKPT, weights_only=False)
+
+    # 5. The summary.
+    report = pin_report(pin_callback, output_dir)
+    summary = make_summary(cfg, report, output_dir, seconds=time.perf_counter() - started)
+    (output_dir / RUN_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    print_summary(summary)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Building
+
+
+def build_pins(pin_cfg: DictConfig, model: torch.nn.Module) -> list[Pin]:
+    """The pins of the ``pin`` group, ready for ``model``.
+
+    Each entry of ``pins`` becomes a :class:`~lightning_pin.Pin`; a value given as a generator node
+    (``_target_: lightning_pin.app.pins.UniformValues``) becomes one tensor per matched parameter;
+    a ``fault_map`` file adds one pin per parameter it marks.
+    """
+    entries = instantiate(pin_cfg.pins, _convert_="all")
+    pins = [realize(Pin.from_config(entry), model) for entry in entries]
+    # keys(), not `in`: `in` is False for a missing value (???), which must fail here, not be skipped.
+    if "fault_map" in pin_cfg.keys():
+        pins += fault_map_pins(pin_cfg.fault_map)
+    return pins
+
+
+def build_pin_callback(cfg: DictConfig, pins: Sequence[Pin]) -> PinCallback:
+    if "pin_callback" not in cfg.callbacks:
+        raise ValueError(
+            "callbacks.pin_callback is missing: the app retrains with the PinCallback it describes "
+            "(callbacks=default has one)"
+        )
+    return instantiate(cfg.callbacks.pin_callback, _partial_=True, _convert_="all")(pins=list(pins))
+
+
+def build_trainer(cfg: DictConfig, phase: str, callbacks: list[pl.Callback], **overrides: Any) -> pl.Trainer:
+    """A Trainer from ``cfg.trainer`` for one phase (``pretrain`` / ``pinned``), logging to its own version."""
+    make = instantiate(cfg.trainer, _partial_=True, _convert_="all")
+    loggers = build_loggers(cfg, phase)
+    # A Trainer announces the hardware and a cloud-logging tip when it is built; the app builds
+    # two, and its own summary says what ran. Warnings still show.
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.WARNING)
+    try:
+        return make(callbacks=callbacks, logger=loggers, **overrides)
+    finally:
+        lightning_log.setLevel(level)
+
+
+def build_loggers(cfg: DictConfig, phase: str) -> list[Logger]:
+    loggers = []
+    for node in cfg.logger.values():
+        # Each phase logs into its own version directory (csv/pretrain, csv/pinned), so the report
+        # rebuilt from the newest metrics.csv is the pinned retraining's.
+        accepts_version = "version" in inspect.signature(get_class(node._target_)).parameters
+        extra = {"version": phase} if accepts_version else {}
+        loggers.append(instantiate(node, _partial_=True, _convert_="all")(**extra))
+    return loggers
+
+
+def check_classes(model: pl.LightningModule, datamodule: pl.LightningDataModule) -> None:
+    """Fail early, with the fix, when the model's outputs do not match the data's classes."""
+    model_classes = getattr(getattr(model, "backbone", None), "num_classes", None)
+    data_classes = getattr(datamodule, "num_classes", None)
+    if model_classes is not None and data_classes is not None and model_classes != data_classes:
+        raise ValueError(
+            f"the model predicts {model_classes} classes but the data has {data_classes}: "
+            f"set model.backbone.num_classes={data_classes}"
+        )
+
+
+def load_weights(model: torch.nn.Module, ckpt_path: str) -> None:
+    path = Path(ckpt_path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path!r} does not exist (relative paths are taken from {Path.cwd()})")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(checkpoint.get("state_dict", checkpoint))
+
+
+# ----------------------------------------------------------------------------------------------
+# The summary
+
+
+def pin_report(pin_callback: PinCallback, output_dir: Path) -> dict[str, Any]:
+    """The report PinMonitor made: in this process, or the file its rank 0 wrote (ddp_spawn)."""
+    monitor = pin_callback.monitor
+    if monitor is not None and monitor.final is not None:
+        return monitor.results()
+    report_dir = Path(monitor.report_dir) if monitor is not None and monitor.report_dir else output_dir
+    if (report_dir / REPORT_JSON).exists():
+        return json.loads((report_dir / REPORT_JSON).read_text())
+    return monitor.results() if monitor is not None else {}
+
+
+def make_summary(cfg: DictConfig, report: dict[str, Any], output_dir: Path, seconds: float) -> dict[str, Any]:
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    multirun = hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
+    choices = dict(hydra_cfg.runtime.choices) if hydra_cfg is not None else {}
+    keys = (
+        "metric",
+        "tolerance",
+        "baseline",
+        "forced",
+        "final",
+        "gap",
+        "recovered_step",
+        "pinned_elements",
+        "trainable_elements",
+        "violations",
+        "pin_drift_max",
+        "weight_drift",
+        "weight_drift_relative",
+        "steps",
+    )
+    return {
+        "job": int(hydra_cfg.job.num) if multirun else None,
+        "overrides": list(hydra_cfg.overrides.task) if hydra_cfg is not None else [],
+        "tags": list(cfg.tags),
+        "choices": {g: choices.get(g) for g in ("data", "model", "optimizer", "pin", "trainer", "experiment")},
+        **{key: report.get(key) for key in keys},
+        # verify() raised otherwise: every pinned element equals its target (torch.equal).
+        "pins_exact": True,
+        "seconds": round(seconds, 1),
+        "output_dir": str(output_dir),
+        "files": [n for n in (REPORT_JSON, REPORT_PNG, PRETRAINED_CKPT, PINNED_CKPT) if (output_dir / n).exists()],
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    choices = " ".join(f"{group}={choice}" for group, choice in summary["choices"].items() if choice)
+    trainable = summary.get("trainable_elements")
+    of_trainable = f" of {trainable:,} trainable elements" if trainable else ""
+    lines = [f"lightning-pin: {choices or 'run'}", f"  pinned    {summary['pinned_elements'] or 0:,}{of_trainable}"]
+    if summary.get("baseline") is not None:
+        recovered = summary.get("recovered_step")
+        within = "not within" if recovered is None else "within"
+        lines.append(
+            f"  accuracy  baseline {_fmt(summary['baseline'])}  forced {_fmt(summary['forced'])}  "
+            f"final {_fmt(summary['final'])}  (gap to baseline {summary['gap']:+.3f}, {within} "
+            f"{summary['tolerance']:g}" + ("" if recovered is None else f" from step {recovered}") + ")"
+        )
+    lines.append(
+        "  pins      exact: verified with torch.equal on every pinned element; "
+        f"{summary['violations']} violations logged"
+    )
+    drift = []
+    if summary.get("pin_drift_max") is not None:
+        drift.append(f"pinned elements moved up to {summary['pin_drift_max']:.3g} by a step, before the restore")
+    if summary.get("weight_drift") is not None:
+        relative = summary.get("weight_drift_relative") or 0.0
+        drift.append(f"free weights moved {summary['weight_drift']:.3g} (L2, {100 * relative:.1f}% of their norm)")
+    if drift:
+        lines.append("  drift     " + "; ".join(drift))
+    files = ", ".join(summary["files"] + [RUN_SUMMARY])
+    lines.append(f"  run dir   {summary['output_dir']}: {files} (ran in {summary['seconds']:.0f} s)")
+    print("\n".join(lines), flush=True)
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+if __name__ == "__main__":
+    main()

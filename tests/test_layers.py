@@ -1,0 +1,60 @@
+"""The layers stay plain: core imports torch only, reporting imports neither the engine nor
+Lightning, and ``from lightning_pin import pin`` loads no Lightning (checked in fresh processes)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_pin"
+LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities")
+
+
+def _imports(folder: str) -> dict[str, set[str]]:
+    """Top-level and dotted module names each file of ``folder`` imports (lazy imports included)."""
+    found = {}
+    for path in sorted((PACKAGE / folder).rglob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+        found[str(path.relative_to(PACKAGE))] = names
+    return found
+
+
+@pytest.mark.parametrize(
+    ("folder", "forbidden"),
+    [
+        ("core", LIGHTNING + ("hydra", "omegaconf", "torchmetrics", "lightning_pin.callbacks", "lightning_pin.app",
+                              "lightning_pin.reporting")),
+        ("reporting", LIGHTNING + ("hydra", "lightning_pin.core.engine", "lightning_pin.core.plan",
+                                   "lightning_pin.callbacks", "lightning_pin.app")),
+        ("callbacks", ("hydra", "omegaconf", "lightning_pin.app")),
+    ],
+)
+def test_layer_imports_nothing_above_it(folder, forbidden):
+    offending = {
+        file: sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden))
+        for file, names in _imports(folder).items()
+    }
+    assert {f: n for f, n in offending.items() if n} == {}
+
+
+def _modules_after(statement: str) -> list[str]:
+    code = f"import sys; {statement}; print('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return out.split()
+
+
+def test_front_door_imports_no_lightning():
+    loaded = _modules_after("from lightning_pin import pin, PinHandle, Pin, PinError")
+    assert [m for m in loaded if m.split(".")[0] in LIGHTNING + ("hydra", "torchmetrics")] == []
+
+
+def test_lightning_layer_loads_on_first_use():
+    loaded = _modules_after("from lightning_pin import PinCallback, PinMonitor")
+    assert "lightning.pytorch" in loaded and "lightning_pin.callbacks.pin_callback" in loaded
