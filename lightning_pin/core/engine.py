@@ -599,9 +599,11 @@ class PinEngine:
         otherwise hold back wherever they can be seen: when a step-window pin stops (the
         released elements start from zero statistics, as they did before), and before every
         ``optimizer.state_dict()`` (checkpoints hold what they held before; the next step runs
-        once with the zeros). Only step-window pins of :data:`_PARKABLE` optimizers are parked,
-        in param groups where a masked gradient stays exactly zero inside the step: no weight
-        decay, or decoupled decay (AdamW, ``decoupled_weight_decay=True``). Coupled L2 decay adds
+        once with the zeros), and when the engine is detached. Parked are ``exp_avg_sq`` and
+        ``max_exp_avg_sq`` of Adam, AdamW, NAdam and RAdam, ``square_avg`` of RMSprop and ``sum``
+        of Adagrad (exact types, every variant), for the elements of step-window pins, in param
+        groups where a masked gradient stays exactly zero inside the step: no weight decay, or
+        decoupled decay (AdamW, ``decoupled_weight_decay=True``). Coupled L2 decay adds
         ``weight_decay * value`` to the gradient, so those statistics follow the value and are
         left as they are, as are the statistics of ``when`` pins, which are never reset.
 
