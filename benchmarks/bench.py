@@ -70,9 +70,11 @@ class MLP(L.LightningModule):
 class StepStart(L.Callback):
     def __init__(self) -> None:
         self.started = 0.0
+        self.cpu_started = 0.0
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.started = time.perf_counter()
+        self.cpu_started = time.process_time()
 
 
 class StepEnd(L.Callback):
@@ -80,9 +82,13 @@ class StepEnd(L.Callback):
         self.start = start
         self.out = out
         self.times: list[float] = []
+        #: CPU time of this process per step (all its threads): other processes on a shared
+        #: machine barely move it, where they do move wall time.
+        self.cpu_times: list[float] = []
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.times.append(time.perf_counter() - self.start.started)
+        self.cpu_times.append(time.process_time() - self.start.cpu_started)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         # Under ddp_spawn the timings live in the workers: rank 0 hands them over in a file.
@@ -103,6 +109,11 @@ def loader(width: int, steps: int, batch: int = 64) -> DataLoader:
 
 def timed_fit(model: MLP, callbacks: list[L.Callback], data: DataLoader, warmup: int) -> float:
     """Median step time of one fit, after ``warmup`` steps."""
+    return fit_times(model, callbacks, data, warmup)[0]
+
+
+def fit_times(model: MLP, callbacks: list[L.Callback], data: DataLoader, warmup: int) -> tuple[float, float]:
+    """Median wall and process-CPU seconds per step of one fit, after ``warmup`` steps."""
     start = StepStart()
     end = StepEnd(start)
     trainer = L.Trainer(
@@ -116,7 +127,7 @@ def timed_fit(model: MLP, callbacks: list[L.Callback], data: DataLoader, warmup:
         log_every_n_steps=50,
     )
     trainer.fit(model, data)
-    return statistics.median(end.times[warmup:])
+    return statistics.median(end.times[warmup:]), statistics.median(end.cpu_times[warmup:])
 
 
 def ddp_step_ratio(width: int, rounds: int, steps: int, warmup: int) -> float:
@@ -159,10 +170,12 @@ class Case:
 
 def compare_rounds(
     width: int, cases: list[Case], rounds: int, steps: int, warmup: int, optimizer: str = "adamw"
-) -> dict[str, list[float]]:
-    """Each case's median step time divided by the unpinned one of the same round, per round."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each case's median step time divided by the unpinned one of the same round, per round: in
+    wall time, and in CPU time of this process."""
     data = loader(width, steps)
     ratios: dict[str, list[float]] = {c.name: [] for c in cases}
+    cpu_ratios: dict[str, list[float]] = {c.name: [] for c in cases}
     for _ in range(rounds):
         times = {}
         for case in cases:
@@ -170,15 +183,17 @@ def compare_rounds(
             model = MLP(width, optimizer=optimizer)
             callbacks = case.setup(model)
             gc.collect()
-            times[case.name] = timed_fit(model, callbacks, data, warmup)
-        for name, seconds in times.items():
-            ratios[name].append(seconds / times["unpinned"])
-    return ratios
+            times[case.name] = fit_times(model, callbacks, data, warmup)
+        for name, (seconds, cpu_seconds) in times.items():
+            ratios[name].append(seconds / times["unpinned"][0])
+            cpu_ratios[name].append(cpu_seconds / times["unpinned"][1])
+    return ratios, cpu_ratios
 
 
 def compare(width: int, cases: list[Case], rounds: int, steps: int, warmup: int) -> dict[str, float]:
     """Median over rounds of each case's step time divided by the unpinned one of that round."""
-    return {name: statistics.median(values) for name, values in compare_rounds(width, cases, rounds, steps, warmup).items()}
+    ratios = compare_rounds(width, cases, rounds, steps, warmup)[0]
+    return {name: statistics.median(values) for name, values in ratios.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,15 +456,20 @@ def verdict(rounds: list[float], goal: float) -> str:
     return met
 
 
-def print_rows(title: str, rounds: dict[str, list[float]], goals: dict[str, float]) -> dict[str, float]:
-    print(title)
+def print_rows(
+    title: str, rounds: dict[str, list[float]], goals: dict[str, float], cpu: dict[str, list[float]] | None = None
+) -> dict[str, float]:
+    """One row per case: the median ratio, each round's ratio, the goal; ``cpu``: the median CPU-time ratio too."""
+    if title:
+        print(title + ("   (cpu: the same in CPU time of this process)" if cpu else ""))
     medians = {}
     for name, values in rounds.items():
         medians[name] = median = statistics.median(values)
         goal = goals.get(name)
         mark = "" if goal is None else f"   goal <= {goal:.2f}: {verdict(values, goal)}"
         per_round = " ".join(f"{v:.3f}" for v in values)
-        print(f"  {name:<40} {median:6.3f}   [{per_round}]{mark}")
+        cpu_median = f"  cpu {statistics.median(cpu[name]):.3f}" if cpu else ""
+        print(f"  {name:<40} {median:6.3f}   [{per_round}]{cpu_median}{mark}")
     return medians
 
 
@@ -502,12 +522,13 @@ def main() -> None:
         Case("dense mask 50%", lambda model: [DenseMaskPins(model, 0.5)]),
         Case("reset every 100 1%", lambda model: [ResetEveryN(model, 0.01, 100)]),
     ]
-    per_round = compare_rounds(width, cases, rounds, steps, warmup)
+    per_round, cpu_rounds = compare_rounds(width, cases, rounds, steps, warmup)
     goals = {"pinned 1%": 1.01, "pinned 20%": 1.05, "pinned 50%": 1.08, "pinned 80%": 1.10, "frozen halves": 1.00}
     title = f"step time / unpinned step time, {OPTIMIZER_LABELS['adamw']}: median of {rounds} interleaved rounds [each round]"
-    ratios = print_rows(title, per_round, goals)
+    ratios = print_rows(title, per_round, goals, cpu_rounds)
     results["step_time_ratio"] = ratios
     results["step_time_rounds"] = per_round
+    results["cpu_time_rounds"] = cpu_rounds
     results["prune_overhead"] = {}
     for percent in ("1%", "20%"):
         ours_over, prune_over = ratios[f"ours to zero {percent}"] - 1, ratios[f"prune {percent}"] - 1
@@ -526,9 +547,9 @@ def main() -> None:
     results["optimizers"] = {}
     for optimizer in ("adam", "sgd"):
         cases = [Case("unpinned", lambda model: []), *_fraction_cases(other_fractions)]
-        rows = compare_rounds(width, cases, 1 if quick else 3, steps, warmup, optimizer=optimizer)
+        rows, cpu_rows = compare_rounds(width, cases, 1 if quick else 3, steps, warmup, optimizer=optimizer)
         title = f"\nstep time / unpinned step time, {OPTIMIZER_LABELS[optimizer]}: median of {len(rows['unpinned'])} rounds"
-        results["optimizers"][optimizer] = print_rows(title, rows, {})
+        results["optimizers"][optimizer] = print_rows(title, rows, {}, cpu_rows)
 
     print("\nthe torch-native front door: lightning_pin.pin() in a plain loop, AdamW, step time / the same loop unpinned")
     results["plain_loop"] = {}
@@ -542,7 +563,7 @@ def main() -> None:
 
     print("\nwhere the time goes: median ms per step in one pinned fit (AdamW, monitor=False)")
     results["engine_ms"] = {}
-    for fraction in (0.01,) + fractions:
+    for fraction in (0.5,) if quick else (0.01,) + fractions:
         parts = where_time_goes(width, fraction, steps, warmup)
         results["engine_ms"][f"{fraction:.0%}"] = parts
         print(f"  {fraction:4.0%}: " + ", ".join(f"{name} {ms:7.2f}" for name, ms in parts.items()))
