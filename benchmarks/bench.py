@@ -540,7 +540,8 @@ def main() -> None:
     ]
     measured = compare_rounds(width, cases, rounds, steps, warmup)
     goals = {"pinned 1%": 1.01, "pinned 20%": 1.05, "pinned 50%": 1.08, "pinned 80%": 1.10, "frozen halves": 1.00}
-    title = f"step time / unpinned step time, {OPTIMIZER_LABELS['adamw']}: median of {rounds} interleaved rounds [each round]"
+    label = OPTIMIZER_LABELS["adamw"]
+    title = f"step time / unpinned step time, {label}: median of {rounds} interleaved rounds [each round]"
     ratios = print_rows(title, measured, goals)
     results["step_time_ratio"] = ratios
     results["step_time_rounds"] = measured.ratios()
@@ -565,10 +566,11 @@ def main() -> None:
     for optimizer in ("adam", "sgd"):
         cases = [Case("unpinned", lambda model: []), *_fraction_cases(other_fractions)]
         rows = compare_rounds(width, cases, 1 if quick else 3, steps, warmup, optimizer=optimizer)
-        title = f"\nstep time / unpinned step time, {OPTIMIZER_LABELS[optimizer]}: median of {len(rows.wall['unpinned'])} rounds"
+        label, count = OPTIMIZER_LABELS[optimizer], len(rows.wall["unpinned"])
+        title = f"\nstep time / unpinned step time, {label}: median of {count} rounds"
         results["optimizers"][optimizer] = print_rows(title, rows, {})
 
-    print("\nthe torch-native front door: lightning_pin.pin() in a plain loop, AdamW, step time / the same loop unpinned")
+    print("\nthe torch-native front door: lightning_pin.pin() in a plain loop, AdamW, step time / the loop unpinned")
     results["plain_loop"] = {}
     for fraction in (0.01, 0.5):
         loop_rounds = plain_loop_rounds(width, fraction, rounds, steps, warmup)
@@ -592,7 +594,7 @@ def main() -> None:
     results["naive_reset_worst_drift"] = naive.worst_drift
     print(f"\nre-set every 100 batches: pinned values drift by up to {naive.worst_drift:.3g} between resets")
 
-    print("\nmemory (the engine's indices, targets and merge layouts; the default monitor adds one copy of the weights)")
+    print("\nmemory (the engine's indices, targets and merge layouts; the default monitor adds a copy of the weights)")
     for fraction in (0.01, 0.5, 0.8):
         model = MLP(width)
         callback = ours(fraction, monitor=False)(model)[0]

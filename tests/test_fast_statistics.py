@@ -131,7 +131,8 @@ PINS = [
 
 def parked_masks(step: int) -> dict[str, torch.Tensor]:
     """Elements whose statistics are parked after the restore of ``step``: the step-window element pins."""
-    return {"w1": W1_WINDOW if step < 7 else torch.zeros_like(W1_WINDOW), "w2": W2_WINDOW if step >= 3 else torch.zeros_like(W2_WINDOW)}
+    none = torch.zeros_like
+    return {"w1": W1_WINDOW if step < 7 else none(W1_WINDOW), "w2": W2_WINDOW if step >= 3 else none(W2_WINDOW)}
 
 
 def active_masks(step: int) -> dict[str, torch.Tensor]:
@@ -314,7 +315,10 @@ def test_trainer_run_is_bit_identical_with_accumulation_clipping_and_windows():
         recorder = StepRecorder()
         extra = [] if park else [_NoParking(callback)]
         t = trainer(
-            max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.05, callbacks=[callback, *extra, smallest, recorder]
+            max_epochs=2,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.05,
+            callbacks=[callback, *extra, smallest, recorder],
         )
         t.fit(model, make_loader(n=96))
         # After fit the engine has let go of the optimizer and left its statistics unparked.
