@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_pin.callbacks._compat import runs_in_spawned_workers
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.errors import PinError
+from lightning_pin.core.modules import unwrap
 from lightning_pin.callbacks.monitor import PinMonitor
 from lightning_pin.core.plan import resolve
 from lightning_pin.core.spec import Pin
@@ -262,8 +263,10 @@ class PinCallback(Callback):
 
         Checks every pin that was active at the last optimizer step (or, before any step, every
         pin active now) against ``module``'s parameters, by name; ``module`` defaults to the
-        module the pins were resolved on.
+        module the pins were resolved on. Wrappers are looked through (``torch.compile``, Fabric,
+        ``DistributedDataParallel``): pins name the parameters of the module they wrap.
         """
+        module = None if module is None else unwrap(module)
         if self.engine is None and module is not None and os.path.exists(self._handoff):
             self._adopt_worker_state(module)
         if self.engine is None:

@@ -562,6 +562,14 @@ class PinEngine:
             tensor = target.parameter if parameters is None else parameters.get(target.name)
             if tensor is None:
                 raise PinError(f"verify: the module has no parameter {target.name!r}, which is pinned")
+            if tuple(tensor.shape) != tuple(target.parameter.shape):
+                # Pinned coordinates mean nothing in another shape: say so rather than index past
+                # the end (or, worse, compare other elements that happen to fit).
+                raise PinError(
+                    f"verify: {target.name!r} has shape {tuple(tensor.shape)}, but its pins were resolved on "
+                    f"shape {tuple(target.parameter.shape)}; verify the module that was trained, or resolve "
+                    "the pins again on the new one"
+                )
             tensor = tensor.detach()
             view, positions, values = target.part(tensor)
             actual = view.reshape(-1) if positions is None else view.index_select(0, positions)
