@@ -21,7 +21,7 @@ from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.modules import unwrap
 from lightning_pin.callbacks.monitor import PinMonitor
-from lightning_pin.core.plan import resolve
+from lightning_pin.core.plan import call_when, resolve
 from lightning_pin.core.spec import Pin
 
 _VERIFY_CHOICES = ("step", "epoch", "end", "never")
@@ -213,7 +213,8 @@ class PinCallback(Callback):
         candidates = [i for i, rp in enumerate(self.engine.plan.pins) if rp.when is not None and rp.in_window(step)]
         if not candidates:
             return frozenset()
-        hits = [bool(self.engine.plan.pins[i].when(batch, batch_idx)) for i in candidates]
+        # call_when checks what `when` returned (a bool or a 0-d bool tensor, else PinError).
+        hits = [call_when(self.engine.plan.pins[i], batch, batch_idx) for i in candidates]
         if trainer.world_size > 1:
             # Each rank sees its own batch. A pin must hold on every rank or on none, or the
             # replicas diverge: it is active if any rank's batch asks for it.
