@@ -17,6 +17,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
+from lightning_pin.core.state import PinState, find_pin_states
+
 #: Prefix of the callback-state keys of :class:`~lightning_pin.PinCallback` in a Lightning checkpoint.
 PIN_STATE_PREFIX = "PinCallback"
 
@@ -63,6 +65,26 @@ class CheckpointDiff:
     pins_from: Optional[str]
 
     @property
+    def shared_tensors(self) -> list[TensorDiff]:
+        """Tensors both checkpoints hold with the same shape: the ones that can be compared."""
+        return [t for t in self.tensors if t.presence == "both" and t.changed is not None]
+
+    def unrelated(self) -> Optional[str]:
+        """Why A and B cannot be compared (they share no tensor), or None when they share one."""
+        if self.shared_tensors:
+            return None
+        only_a = [t.name for t in self.tensors if t.presence == "only A"]
+        only_b = [t.name for t in self.tensors if t.presence == "only B"]
+        if not only_a and not only_b and not self.tensors:
+            return "neither holds a tensor"
+        if not any(t.presence == "both" for t in self.tensors):
+            return (
+                f"they share no tensor name (A: {len(only_a)} tensors, e.g. {only_a[:2]}; B: {len(only_b)}, "
+                f"e.g. {only_b[:2]}): checkpoints of different models?"
+            )
+        return "every tensor name they share has a different shape in each: checkpoints of different models?"
+
+    @property
     def changed_tensors(self) -> list[TensorDiff]:
         return [t for t in self.tensors if t.presence != "both" or t.changed != 0]
 
@@ -105,11 +127,17 @@ def load_checkpoint(path: Union[str, Path]) -> dict[str, Any]:
     raise ValueError(f"{path} holds neither a Lightning checkpoint nor a state dict of tensors")
 
 
-def diff_checkpoints(a: Mapping[str, Any], b: Mapping[str, Any]) -> CheckpointDiff:
+def diff_checkpoints(
+    a: Mapping[str, Any], b: Mapping[str, Any], names: tuple[str, str] = ("A", "B")
+) -> CheckpointDiff:
     """Compare the ``state_dict`` of checkpoints ``a`` and ``b``, and check saved pins against ``b``.
 
     The pin state comes from ``b``'s callbacks (the state at the end of the compared interval),
-    or from ``a``'s when ``b`` has none.
+    or from ``a``'s when ``b`` has none. ``names`` (e.g. the file paths) name the checkpoints in
+    errors.
+
+    Raises:
+        CorruptPinState: a saved pin state is malformed; the message names it and its checkpoint.
     """
     weights_a, weights_b = a["state_dict"], b["state_dict"]
     tensors = []
@@ -133,9 +161,9 @@ def diff_checkpoints(a: Mapping[str, Any], b: Mapping[str, Any]) -> CheckpointDi
         elif changed:
             max_change = float((tb.long() - ta.long()).abs()[differs].max())
         tensors.append(TensorDiff(name, tuple(ta.shape), ta.numel(), changed, max_change))
-    states, source = _pin_states(b), "B"
+    states, source = _pin_states(b, names[1]), "B"
     if not states:
-        states, source = _pin_states(a), "A"
+        states, source = _pin_states(a, names[0]), "A"
     checks = []
     for key, state in states.items():
         checks += _check_pins(key, state, weights_a, weights_b)
@@ -152,25 +180,23 @@ def _differs(ta: Tensor, tb: Tensor) -> Tensor:
     return ta != tb
 
 
-def _pin_states(checkpoint: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-    callbacks = checkpoint.get("callbacks") or {}
+def _pin_states(checkpoint: Mapping[str, Any], where: str) -> dict[str, PinState]:
+    """The pin states saved in ``checkpoint``, read and validated by the one reader of the format."""
     return {
-        k: v
-        for k, v in callbacks.items()
-        if isinstance(k, str) and k.startswith(PIN_STATE_PREFIX) and isinstance(v, Mapping) and "pins" in v
+        key: PinState.from_dict(raw, where=f"the pin state {key!r} in {where}")
+        for key, raw in find_pin_states(checkpoint).items()
     }
 
 
 def _check_pins(
-    key: str, state: Mapping[str, Any], weights_a: Mapping[str, Tensor], weights_b: Mapping[str, Tensor]
+    key: str, state: PinState, weights_a: Mapping[str, Tensor], weights_b: Mapping[str, Tensor]
 ) -> list[PinCheck]:
     # Pins that were active at the last optimizer step must hold; others are reported, not judged.
-    last = state.get("last_step_active")
-    active = set(last if last is not None else state.get("active", []))
+    active = state.checked_pins
     checks = []
-    for pin_id, selections in enumerate(state["pins"]):
+    for pin_id, selections in enumerate(state.pins):
         for name, entry in selections.items():
-            index, target = entry.get("index"), entry.get("target")
+            index, target = entry.index, entry.target
             tb, ta = weights_b.get(name), weights_a.get(name)
             reference = tb if tb is not None else ta
             elements = int(index.numel()) if index is not None else (reference.numel() if reference is not None else 0)
