@@ -29,12 +29,12 @@ from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.plan import call_when, resolve
 
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-SHAPES = {"a": (4, 3), "b": (5,), "h": (3,)}
+SHAPES = {"a": (4, 3), "b": (5,), "h": (3,), "s": ()}
 STEPS = 4
 
 
 class Model(nn.Module):
-    """Three parameters: a (4, 3) and b (5,) in float32, h (3,) in float16 (overflows at 65504)."""
+    """a (4, 3), b (5,) and the scalar s in float32, h (3,) in float16 (overflows at 65504)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -42,9 +42,10 @@ class Model(nn.Module):
         self.a = nn.Parameter(torch.randn(4, 3, generator=g))
         self.b = nn.Parameter(torch.randn(5, generator=g))
         self.h = nn.Parameter(torch.randn(3, generator=g).half())
+        self.s = nn.Parameter(torch.randn((), generator=g))
 
     def loss(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.a * x[:12].reshape(4, 3)).pow(2).sum() + (self.b * x[:5]).sum() + (self.h.float() * x[:3]).sum()
+        return (self.a * x[:12].reshape(4, 3)).pow(2).sum() + (self.b * x[:5]).sum() + (self.h.float() * x[:3]).sum() + self.s * x[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,7 +68,7 @@ def _numbers() -> st.SearchStrategy:
 
 
 PARAMS = st.one_of(
-    st.sampled_from(["a", "b", "h", "*", "a*", "[ab]", "re:a|b", "re:h", "re:(", "re:", "", "nope", "A"]),
+    st.sampled_from(["a", "b", "h", "s", "*", "a*", "[ab]", "re:a|b", "re:h", "re:(", "re:", "", "nope", "A"]),
     st.lists(st.sampled_from(["a", "b", "h", "*", "nope", ""]), min_size=0, max_size=3),
     st.sampled_from([5, None, b"a", ("a", "b"), ["a", 3], {"a": 1}, 1.5]),
 )
@@ -78,7 +79,7 @@ INDICES = st.one_of(
     st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=3), min_size=1, max_size=3),
     st.lists(st.integers(0, 4), min_size=1, max_size=3).map(torch.tensor),
     st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2)), min_size=1, max_size=3).map(torch.tensor),
-    st.sampled_from(["0", 3, 1.5, [(0.5, 1)], [(True, 0)], torch.tensor([[0.0, 1.0]]), torch.tensor([True, False]),
+    st.sampled_from(["0", 3, 1.5, [(0.5, 1)], [()], [(), 3], [(0, 1), 2], [(True, 0)], torch.tensor([[0.0, 1.0]]), torch.tensor([True, False]),
                      np.array([0, 1]), [(2**64, 0)], {"a": [(0, 0)]}]),
 )
 
@@ -159,14 +160,14 @@ def good_whens(draw) -> Any:
 @st.composite
 def good_pin_kwargs(draw) -> dict[str, Any]:
     """A spec that is right, for one parameter or several."""
-    name = draw(st.sampled_from(["a", "b", "h", None]))
+    name = draw(st.sampled_from(["a", "b", "h", "s", None]))
     if name is None:  # several parameters: whole tensors, fractions or per-name dicts only
         kwargs: dict[str, Any] = {"params": draw(st.sampled_from(["*", "[ab]", "re:a|b", ["a", "h"], ("b", "h")]))}
         if draw(st.booleans()):
             kwargs["fraction"] = draw(st.floats(0.01, 1.0))
             kwargs["seed"] = draw(st.integers(0, 5))
         kwargs["value"] = draw(st.one_of(st.none(), st.floats(-100, 100, width=16), st.integers(-3, 3),
-                                         st.just({"a": 0.5, "b": -1.0, "h": 2.0})))
+                                         st.just({"a": 0.5, "b": -1.0, "h": 2.0, "s": 0.25})))
     else:
         shape = SHAPES[name]
         kwargs = {"params": draw(st.sampled_from([name, f"re:{name}", [name]]))}

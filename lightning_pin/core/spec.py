@@ -308,9 +308,9 @@ def coordinates(pin: Pin) -> torch.Tensor:
         rows = [tuple(row) if isinstance(row, Sequence) and not isinstance(row, (str, bytes)) else row for row in indices]
         if not all(_is_int(x) for row in rows for x in (row if isinstance(row, tuple) else (row,))):
             raise PinError(f"{pin!r}: indices must hold integers, got {_clip(indices)}")
-        lengths = sorted({len(row) if isinstance(row, tuple) else 0 for row in rows})
+        lengths = sorted({len(row) if isinstance(row, tuple) else -1 for row in rows})
         if len(lengths) > 1:
-            shown = ", ".join("a bare int" if n == 0 else str(n) for n in lengths)
+            shown = ", ".join("a bare int" if n < 0 else str(n) for n in lengths)
             raise PinError(
                 f"{pin!r}: indices rows must all have the same number of coordinates (one per dimension of "
                 f"the parameter), got rows of lengths {shown}"
@@ -318,7 +318,7 @@ def coordinates(pin: Pin) -> torch.Tensor:
         if any(not -(2**63) <= x < 2**63 for row in rows for x in (row if isinstance(row, tuple) else (row,))):
             raise PinError(f"{pin!r}: indices {_clip(indices)} are out of range: coordinate d must be in [0, shape[d])")
         coords = torch.tensor(rows, dtype=torch.int64)
-    if coords.numel() == 0:
+    if coords.shape[0] == 0:  # no row ([()] is one row: the element of a 0-d parameter)
         raise PinError(f"{pin!r}: indices select no element; select at least one or drop the pin")
     negative = coords < 0
     if negative.any():
