@@ -6,7 +6,7 @@ import os
 import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -14,11 +14,14 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_pin.callbacks._compat import runs_in_spawned_workers
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.errors import PinError
+from lightning_pin.core.handle import as_pins
+from lightning_pin.core.modules import unwrap
 from lightning_pin.callbacks.monitor import PinMonitor
 from lightning_pin.core.plan import resolve
 from lightning_pin.core.spec import Pin
@@ -81,15 +84,11 @@ class PinCallback(Callback):
         verbose: bool = True,
         monitor: Union[PinMonitor, bool] = True,
     ) -> None:
-        if isinstance(pins, (Pin, Mapping)):
-            pins = [pins]
-        if isinstance(pins, (str, bytes)) or not isinstance(pins, Sequence):
-            raise PinError(f"pins must be a Pin, a mapping or a list of them, got {type(pins).__name__}")
         if verify not in _VERIFY_CHOICES:
             raise PinError(f"verify must be one of {_VERIFY_CHOICES}, got {verify!r}")
         if not isinstance(monitor, (PinMonitor, bool)):
             raise PinError(f"monitor must be a PinMonitor, True or False, got {type(monitor).__name__}")
-        self.pins: list[Pin] = [Pin.from_config(p) for p in pins]
+        self.pins: list[Pin] = as_pins(pins)
         self.strict = strict
         self.verify_at = verify
         self.verbose = verbose
@@ -97,7 +96,7 @@ class PinCallback(Callback):
         self.monitor: Optional[PinMonitor] = PinMonitor() if monitor is True else (monitor or None)
         self.engine: Optional[PinEngine] = None
         self._loaded_state: Optional[dict[str, Any]] = None
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._when_hits: frozenset[int] = frozenset()
         # Under ddp_spawn this object is pickled into the workers and the copy in the main
         # process never runs a hook; rank 0 leaves its state in this file for verify().
@@ -137,21 +136,24 @@ class PinCallback(Callback):
         if plan.pins:
             self._handles = self.engine.attach(trainer.optimizers)
             if self.verify_at == "step":
-                self.engine._after_restore.append(self._check)
-            if self.monitor is not None:
-                self.engine._after_restore.append(self.monitor.after_restore)
+                self._handles.append(self.engine.register_restore_hook(lambda stats: self._check()))
         if self.verbose and plan.pins:
             rank_zero_info(f"PinCallback: pins resolved on {type(module).__name__}\n{plan.summary()}")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # On resume the active pins' targets come from the callback state: make the weights the
-        # first forward sees hold them, whatever the checkpoint's weights were.
-        if self.engine is not None:
-            if self.monitor is not None:
-                # Before force(): the baseline is measured before any pin is forced.
-                self.monitor.on_train_start(trainer, pl_module, self.engine)
-            self.engine.force()
+        # Force the pins of the first step here, before any other callback's on_train_epoch_start
+        # can sample the weights (weight averaging). On resume the active pins' targets come
+        # from the callback state: the weights the first forward sees hold them, whatever the
+        # checkpoint's weights were.
+        if self.engine is None:
+            return
+        if self.monitor is not None:
+            self.monitor.before_force(trainer, pl_module)  # the baseline: no pin forced yet
+        self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
+        self.engine.force()
+        if self.monitor is not None:
+            self.monitor.after_force(trainer, pl_module, self.engine)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -169,7 +171,6 @@ class PinCallback(Callback):
         self._handles = []
         if self.engine is not None:
             self.engine.detach()
-            self.engine._after_restore.clear()
         if self.monitor is not None:
             self.monitor.teardown()
 
@@ -183,7 +184,9 @@ class PinCallback(Callback):
         if self.engine is None:
             return
         if self.engine.plan.pins:
-            self._when_hits = self._evaluate_when(trainer, pl_module, batch, batch_idx)
+            self._when_hits = self.engine.when_hits(
+                trainer.global_step, batch, batch_idx, agree=_any_rank(trainer, pl_module)
+            )
             self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
         if self.monitor is not None:
             self.monitor.on_train_batch_start(trainer, self.engine)
@@ -204,21 +207,6 @@ class PinCallback(Callback):
         # Under manual optimization global_step moves inside a batch: re-check the windows.
         self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
         self.engine.mask_grads(optimizer)
-
-    def _evaluate_when(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> frozenset[int]:
-        step = trainer.global_step
-        candidates = [i for i, rp in enumerate(self.engine.plan.pins) if rp.when is not None and rp.in_window(step)]
-        if not candidates:
-            return frozenset()
-        hits = [bool(self.engine.plan.pins[i].when(batch, batch_idx)) for i in candidates]
-        if trainer.world_size > 1:
-            # Each rank sees its own batch. A pin must hold on every rank or on none, or the
-            # replicas diverge: it is active if any rank's batch asks for it.
-            flags = torch.tensor(hits, dtype=torch.int32, device=pl_module.device)
-            hits = [bool(x) for x in trainer.strategy.reduce(flags, reduce_op="max").tolist()]
-        return frozenset(i for i, hit in zip(candidates, hits) if hit)
 
     # ------------------------------------------------------------------------------------------
     # Checks
@@ -271,7 +259,7 @@ class PinCallback(Callback):
         pin_ids = self.engine.last_step_active
         if pin_ids is None:
             pin_ids = self.engine.active
-        parameters = None if module is None else dict(module.named_parameters())
+        parameters = None if module is None else dict(unwrap(module).named_parameters(remove_duplicate=False))
         self._raise_if_off(self.engine.violations(parameters, pin_ids))
 
     def _adopt_worker_state(self, module: nn.Module) -> None:
@@ -343,6 +331,19 @@ class PinCallback(Callback):
             )
         if unmatched and not self.strict:
             rank_zero_warn(f"PinCallback(strict=False): dropping saved pin state {unmatched}")
+
+
+def _any_rank(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[Callable[[list[bool]], list[bool]]]:
+    """Each rank sees its own batch; a ``when`` pin must hold on every rank or on none, or the
+    replicas diverge: it is active if any rank's batch asks for it (one tiny all-reduce)."""
+    if trainer.world_size <= 1:
+        return None
+
+    def agree(hits: list[bool]) -> list[bool]:
+        flags = torch.tensor(hits, dtype=torch.int32, device=pl_module.device)
+        return [bool(x) for x in trainer.strategy.reduce(flags, reduce_op="max").tolist()]
+
+    return agree
 
 
 def _first_pin_callback(trainer: pl.Trainer) -> Optional[PinCallback]:

@@ -221,6 +221,15 @@ def resolve_when(pin: Pin) -> Callable[[Any, int], bool] | None:
 # Matching parameters
 
 
+def call_when(rp: ResolvedPin, batch: Any, batch_idx: int) -> bool:
+    """Whether the ``when`` of ``rp`` selects this batch.
+
+    A ``when`` decides on the host: a 0-d bool tensor on a device is read back (one sync per
+    ``when`` pin and batch, inherent to deciding per batch).
+    """
+    return bool(rp.when(batch, batch_idx))
+
+
 def _strip_compile_prefix(name: str) -> str:
     # torch.compile wraps modules in `_orig_mod`; users write the names they see in their code.
     return name.replace("_orig_mod.", "")
