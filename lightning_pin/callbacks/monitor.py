@@ -486,10 +486,14 @@ class PinMonitor:
         modes = {m: m.training for m in module.modules()}
         module.eval()
         try:
-            with torch.no_grad():
+            # Batches go through the precision plugin as in Lightning's own validation: with
+            # "bf16-true" / "16-true" the inputs are cast to the weights' dtype.
+            precision = trainer.precision_plugin
+            with torch.no_grad(), precision.val_step_context():
                 for batch_idx, batch in enumerate(loader):
                     if batch_idx >= limit:
                         break
+                    batch = precision.convert_input(batch)
                     batch = trainer.strategy.batch_to_device(batch, dataloader_idx=self.dataloader_idx)
                     self._update_metric(*self.predict(module, batch))
         finally:

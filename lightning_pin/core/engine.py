@@ -569,6 +569,27 @@ class PinEngine:
             else:
                 copy_at(view, positions, values)
 
+    @property
+    def checked_ids(self) -> frozenset[int]:
+        """The pins whose targets must hold now: those active at the last optimizer step, or
+        before any step, those active now."""
+        return self.last_step_active if self.last_step_active is not None else self.active
+
+    @torch.no_grad()
+    def write_into(self, parameters: Mapping[str, Tensor], pin_ids: Iterable[int] | None = None) -> None:
+        """Write the merged targets of ``pin_ids`` (default: :attr:`checked_ids`) into a copy of the
+        weights (an averaged model), by parameter name; names the copy lacks are skipped."""
+        for target in self.targets(self.checked_ids if pin_ids is None else pin_ids):
+            tensor = parameters.get(target.name)
+            if tensor is None:
+                continue
+            view, positions, values = target.part(tensor.detach())
+            values = values.to(device=view.device, dtype=view.dtype)
+            if positions is None:
+                view.copy_(values)
+            else:
+                copy_at(view, positions.to(view.device), values)
+
     def force(self) -> None:
         """Write the targets of every active pin now (e.g. after loading weights on resume)."""
         with torch.no_grad():

@@ -163,7 +163,7 @@ def resolve(
                 selection.index = compact_index(selection.index, named[name].numel()).to(named[name].device)
             selections[name] = selection
         resolved.append(ResolvedPin(pin, selections, when))
-    _check_conflicts(resolved)
+    check_conflicts(resolved)
     parameters = {name: named[name] for name in named if any(name in rp.selections for rp in resolved)}
     trainable = sum(p.numel() for p in named.values() if p.requires_grad)
     return PinPlan(resolved, parameters, trainable)
@@ -598,7 +598,7 @@ def _windows_overlap(a: Pin, b: Pin) -> bool:
     return max(a.start_step, b.start_step) < min(a_stop, b_stop)
 
 
-def _check_conflicts(pins: Sequence[ResolvedPin]) -> None:
+def check_conflicts(pins: Sequence[ResolvedPin]) -> None:
     """Two pins may not give one element different explicit values at times that can overlap."""
     for i, first in enumerate(pins):
         for second in pins[i + 1 :]:
