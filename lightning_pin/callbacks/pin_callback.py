@@ -95,9 +95,9 @@ class PinCallback(Callback):
         self.pins: list[Pin] = as_pins(pins)
         self._fingerprints = [p.fingerprint() for p in self.pins]
         # Unfitted live callbacks with these pins (see state_key); a fit takes this one out.
-        self._twins = _LIVE.setdefault(tuple(self._fingerprints), weakref.WeakSet())
-        self._copy_index = len(self._twins)
-        self._twins.add(self)
+        twins = _LIVE.setdefault(tuple(self._fingerprints), weakref.WeakSet())
+        self._copy_index = len(twins)
+        twins.add(self)
         self.strict = strict
         self.verify_at = verify
         self.verbose = verbose
@@ -145,7 +145,7 @@ class PinCallback(Callback):
         _check_other_pin_callbacks(trainer, self, plan)
         self.engine = PinEngine(plan)
         self._fitting = True
-        self._twins.discard(self)
+        _LIVE.get(tuple(self._fingerprints), set()).discard(self)
         if self.monitor is not None:
             self.monitor.setup(trainer, module, self.engine)
         if self._loaded_state is not None:
