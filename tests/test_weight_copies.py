@@ -317,3 +317,11 @@ def test_accuracy_monitor_under_true_half_precision(precision):
     assert model.head.weight[0, 0].item() == 0.5
     assert monitor.baseline is not None and monitor.forced is not None and monitor.final is not None
     cb.verify(model)
+
+
+def test_a_value_that_overflows_float16_is_refused_before_lightning_casts_the_module():
+    model = ValidatedNet()
+    cb = PinCallback([Pin("head.weight", indices=[(0, 0)], value=1e6)], verbose=False, monitor=False)
+    with pytest.raises(PinError, match=r"values \[1000000\.0\] overflow torch\.float16 of 'head\.weight'"):
+        trainer(max_epochs=1, precision="16-true", callbacks=[cb]).fit(model, make_loader())
+    assert model.head.weight.dtype == torch.float32  # the user's module was not cast

@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -24,11 +25,13 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.core.handle import as_pins
 from lightning_pin.core.modules import unwrap
 from lightning_pin.callbacks.monitor import PinMonitor
-from lightning_pin.core.plan import check_conflicts, resolve
+from lightning_pin.core.plan import check_conflicts, check_targets_fit, resolve
 from lightning_pin.core.state import find_pin_states
 from lightning_pin.core.spec import Pin
 
 _VERIFY_CHOICES = ("step", "epoch", "end", "never")
+# Lightning precisions that cast the parameters themselves, in strategy.setup.
+_TRUE_PRECISION = {"16-true": torch.float16, "bf16-true": torch.bfloat16}
 # Live callbacks by their pins' fingerprints (see state_key).
 _LIVE: dict[tuple[str, ...], weakref.WeakSet] = {}
 
@@ -128,6 +131,15 @@ class PinCallback(Callback):
 
     # ------------------------------------------------------------------------------------------
     # Set-up and tear-down
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # True half precision casts the module right after this hook: check that explicit targets
+        # survive the cast now, while a rejected spec still leaves the module as the user built it.
+        cast = _TRUE_PRECISION.get(str(trainer.precision))
+        if stage != "fit" or cast is None or is_overridden("configure_model", pl_module):
+            return  # (configure_model builds layers later: on_fit_start checks those after the cast)
+        check_targets_fit(resolve(self.pins, pl_module, warn=lambda message: None), cast)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

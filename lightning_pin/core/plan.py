@@ -498,7 +498,21 @@ def _leaves(raw: Any) -> Iterable[Any]:
         yield raw
 
 
-def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: nn.Parameter, warn: Callable[[str], Any]) -> Tensor:
+def check_targets_fit(plan: PinPlan, dtype: torch.dtype) -> None:
+    """Check that every explicit target of a floating parameter survives a cast to ``dtype``, for a
+    trainer that is about to cast the parameters (Lightning's ``precision="16-true"``).
+
+    Raises:
+        PinError: a target overflows ``dtype`` (the same message as resolving on a cast module).
+    """
+    for rp in plan.pins:
+        for name, selection in rp.selections.items():
+            if selection.values is not None and selection.parameter.is_floating_point():
+                cast = torch.empty(0, dtype=dtype, device=selection.values.device)
+                _to_dtype(rp.pin, name, selection.values, cast, lambda message: None)
+
+
+def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: Tensor, warn: Callable[[str], Any]) -> Tensor:
     """Cast targets to the parameter's dtype: reject NaN, inf and overflow; warn when rounded."""
     dtype = parameter.dtype
     if not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool:
