@@ -84,6 +84,12 @@ def run(tmp_path_factory):
     return SimpleNamespace(out=out, ckpt=out / "pinned.ckpt", lit=lit, callback=callback, pinned=pinned)
 
 
+def param_off(run, deployed: torch.Tensor) -> int:
+    """Pinned elements of conv1.weight whose value in ``deployed`` is not the trained one."""
+    trained = run.lit.net.conv1.weight.detach().reshape(-1)
+    return sum(deployed.reshape(-1)[i].item() != trained[i].item() for i in run.pinned)
+
+
 def export(module: nn.Module, path, **options) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation, tracer warnings
@@ -127,8 +133,7 @@ def test_dynamo_exporter_folds_batchnorm_into_pinned_conv_and_optimize_false_kee
     assert param.tensor == "conv1.weight" and param.elements == len(run.pinned)
     folded = initializers(default)["conv1.weight"]
     trained = run.lit.net.conv1.weight.detach()
-    off = [i for i in run.pinned if folded.view(-1)[i].item() != trained.view(-1)[i].item()]
-    assert param.off_target == len(off) > 0
+    assert param.off_target == param_off(run, folded) > 0
     # The values shown are the deployed ones; the targets, what training held.
     for element in param.shown:
         assert element.value == folded[element.position].item()
@@ -156,7 +161,7 @@ def test_torchscript_exporter_renames_the_folded_conv_and_do_constant_folding_fa
     (param,) = check_artifacts(run.ckpt, folded).artifacts[0].parameters
     assert param.problem == "missing" and param.off_target is None
     (weight,) = [n for n in renamed if initializers(folded)[n].shape == (4, 1, 3, 3)]
-    assert param.candidates == (weight,)
+    assert param.candidates == (weight,) and param.candidate_off_target == param_off(run, initializers(folded)[weight])
     assert [e.value for e in param.shown] == [initializers(folded)[weight][e.position].item() for e in param.shown]
     assert len(param.shown) > 0
 

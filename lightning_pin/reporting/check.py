@@ -91,6 +91,8 @@ class ParameterCheck:
     shown: tuple[OffTarget, ...] = ()
     #: Unmatched artifact tensors of the parameter's shape, when it is missing.
     candidates: tuple[str, ...] = ()
+    #: When exactly one candidate: how many pinned elements differ from their targets there.
+    candidate_off_target: Optional[int] = None
     #: dtype of the artifact's tensor and of the targets (``"float32"``...).
     dtype: Optional[str] = None
     target_dtype: Optional[str] = None
@@ -289,13 +291,14 @@ def _merged_entries(state: PinState) -> dict[str, _Entries]:
     """The targets the checked pins hold, per parameter, in the engine's order of precedence:
     captured values first, explicit ones after, so that an explicit value wins on an element a
     ``value=None`` pin also selects (freeze a layer, force one element of it)."""
-    by_name: dict[str, _Entries] = {}
+    # Parameters in the order the pins name them; entries by precedence.
+    by_name: dict[str, _Entries] = {name: [] for pin_id in sorted(state.checked_pins) for name in state.pins[pin_id]}
     for explicit in (False, True):
         for pin_id in sorted(state.checked_pins):
             for name, selection in state.pins[pin_id].items():
                 if selection.target is not None and selection.explicit == explicit:
-                    by_name.setdefault(name, []).append((pin_id, selection.index, selection.target))
-    return by_name
+                    by_name[name].append((pin_id, selection.index, selection.target))
+    return {name: entries for name, entries in by_name.items() if entries}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -500,12 +503,13 @@ def _check_parameter(
             )
         )  # fmt: skip
         shown: tuple[OffTarget, ...] = ()
+        candidate_off = None
         if len(candidates) == 1:
             try:
-                _, shown, _ = _compare(reader.load(candidates[0]), entries)
+                candidate_off, shown, _ = _compare(reader.load(candidates[0]), entries)
             except (_Unreadable, IndexError):
-                shown = ()
-        return problem("missing", candidates=candidates, shown=shown)
+                pass
+        return problem("missing", candidates=candidates, shown=shown, candidate_off_target=candidate_off)
     found_shape = reader.shapes[tensor_name]
     rewrites = reader.rewrites.get(tensor_name, ())
     if shape is not None and found_shape != shape:
@@ -521,8 +525,8 @@ def _check_parameter(
         return problem(f"pinned elements lie outside its {tuple(tensor.shape)} elements", tensor=tensor_name,
                        rewrites=rewrites)  # fmt: skip
     return ParameterCheck(
-        name, key, pins, elements, tensor_name, off, None, shown, (), str(tensor.dtype).replace("torch.", ""),
-        target_dtype, rewrites,
+        name, key, pins, elements, tensor_name, off, shown=shown, dtype=str(tensor.dtype).replace("torch.", ""),
+        target_dtype=target_dtype, rewrites=rewrites,
     )  # fmt: skip
 
 
@@ -642,9 +646,14 @@ def _parameter_lines(p: ParameterCheck, several: bool) -> list[str]:
         return [f"{head}: holds{rewrites}"]
     if p.problem == "missing":
         lines = [f"{head}: MISSING from the artifact"]
-        if len(p.candidates) == 1:
-            lines.append(f"  the only unmatched tensor of its shape, {p.candidates[0]!r}, reads at the pinned elements:")
+        if len(p.candidates) == 1 and p.candidate_off_target is not None:
+            lines.append(
+                f"  the only unmatched tensor of its shape, {p.candidates[0]!r} (a renamed copy?), differs at "
+                f"{p.candidate_off_target:,} of them"
+            )
             lines += [f"    {_show(e, p)}" for e in p.shown]
+            if p.candidate_off_target > len(p.shown):
+                lines.append(f"    ... and {p.candidate_off_target - len(p.shown):,} more")
         elif p.candidates:
             lines.append(f"  unmatched tensors of its shape: {', '.join(repr(c) for c in p.candidates)}")
         return lines
