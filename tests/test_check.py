@@ -161,12 +161,38 @@ def test_torchscript_exporter_renames_the_folded_conv_and_do_constant_folding_fa
     (param,) = check_artifacts(run.ckpt, folded).artifacts[0].parameters
     assert param.problem == "missing" and param.off_target is None
     (weight,) = [n for n in renamed if initializers(folded)[n].shape == (4, 1, 3, 3)]
-    assert param.candidates == (weight,) and param.candidate_off_target == param_off(run, initializers(folded)[weight])
-    assert [e.value for e in param.shown] == [initializers(folded)[weight][e.position].item() for e in param.shown]
-    assert len(param.shown) > 0
+    (candidate,) = param.candidates  # the folded weight, under its new name
+    assert (candidate.name, candidate.transposed) == (weight, False)
+    assert candidate.off_target == param_off(run, initializers(folded)[weight]) > 0
+    assert [e.value for e in candidate.shown] == [initializers(folded)[weight][e.position].item()
+                                                  for e in candidate.shown]  # fmt: skip
+    assert f"the only unmatched tensor of its shape, '{weight}', differs at {candidate.off_target} of them" in out
 
     code, out, err = check(capsys, run.ckpt, kept)
     assert (code, err) == (0, "") and "TorchScript exporter" in out
+
+
+def test_linear_weights_stored_transposed_for_matmul(tmp_path, capsys):
+    # With inputs of more than 2 dims (sequences), both exporters store a Linear weight transposed
+    # for MatMul under a new name; the options that keep BatchNorm apart keep it too.
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)).eval()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    pinned = saved([{"0.weight": (None, weights["0.weight"], False)}], weights=weights)
+    torch.save(pinned, tmp_path / "pinned.ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, options in (("folded", {}), ("kept", {"do_constant_folding": False})):
+            torch.onnx.export(model, (torch.randn(2, 5, 4),), str(tmp_path / f"{name}.onnx"), dynamo=False,
+                              verbose=False, **options)  # fmt: skip
+    assert "0.weight" not in initializers(tmp_path / "folded.onnx")
+    code, out, _ = check(capsys, tmp_path / "pinned.ckpt", tmp_path / "folded.onnx")
+    assert code == 1 and "0.weight, 12 pinned element(s) (pin 0): MISSING" in out
+    (param,) = check_artifacts(tmp_path / "pinned.ckpt", tmp_path / "folded.onnx").artifacts[0].parameters
+    (copy,) = [c for c in param.candidates if c.off_target == 0]
+    assert copy.transposed and torch.equal(initializers(tmp_path / "folded.onnx")[copy.name].t(), weights["0.weight"])
+    assert f"'{copy.name}' (transposed) holds every pinned element: a renamed copy of it?" in out
+    assert "do_constant_folding=False" in out
+    assert check(capsys, tmp_path / "pinned.ckpt", tmp_path / "kept.onnx")[0] == 0
 
 
 def test_onnx_external_data_is_read_and_checked(run, tmp_path, capsys):

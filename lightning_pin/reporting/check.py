@@ -46,6 +46,8 @@ ARTIFACT_SUFFIXES = (".onnx",) + TENSOR_FILE_SUFFIXES
 EXPORT_EXTRA = "pip install 'lightning-pin[export]'"
 #: Off-target elements listed per parameter (all of them are counted).
 MAX_SHOWN = 10
+#: Unmatched tensors read as possible renamed copies of a missing parameter.
+MAX_CANDIDATES = 8
 
 PathLike = Union[str, Path]
 
@@ -69,6 +71,21 @@ class OffTarget:
 
 
 @dataclasses.dataclass(frozen=True)
+class Candidate:
+    """An artifact tensor no name of the trained model matches, with a missing parameter's shape
+    or its transpose: a renamed copy? (Exporters fold a BatchNorm into the conv before it under a
+    new name, and store a Linear weight transposed for ``MatMul`` under a new name.)"""
+
+    name: str
+    #: Compared as the transpose of the parameter.
+    transposed: bool
+    #: Pinned elements that differ from their targets there.
+    off_target: int
+    #: The first :data:`MAX_SHOWN` of them, at their coordinates in the parameter.
+    shown: tuple[OffTarget, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class ParameterCheck:
     """The pinned elements of one parameter (merged over the pins of one saved state) in one artifact."""
 
@@ -86,13 +103,10 @@ class ParameterCheck:
     off_target: Optional[int]
     #: Why the parameter could not be compared: missing, ambiguous, reshaped, unreadable.
     problem: Optional[str] = None
-    #: The first :data:`MAX_SHOWN` off-target elements. For a missing parameter with one
-    #: unmatched artifact tensor of its shape (a renamed, folded copy?), that tensor's values.
+    #: The first :data:`MAX_SHOWN` off-target elements.
     shown: tuple[OffTarget, ...] = ()
-    #: Unmatched artifact tensors of the parameter's shape, when it is missing.
-    candidates: tuple[str, ...] = ()
-    #: When exactly one candidate: how many pinned elements differ from their targets there.
-    candidate_off_target: Optional[int] = None
+    #: When the parameter is missing: unmatched artifact tensors that could be a renamed copy.
+    candidates: tuple[Candidate, ...] = ()
     #: dtype of the artifact's tensor and of the targets (``"float32"``...).
     dtype: Optional[str] = None
     target_dtype: Optional[str] = None
@@ -434,20 +448,22 @@ def _onnx_rewrites(graph: Any, initializers: Mapping[str, Any]) -> dict[str, tup
 
 def _onnx_advice(exporter: Optional[str]) -> str:
     fold = "may have folded or renamed pinned parameters (it folds a BatchNorm into the conv before it"
+    transposed = "and stores a Linear weight that MatMul reads transposed, under a new name"
     if exporter == "dynamo":
         return (
             f"this file was written by torch.onnx.export(..., dynamo=True), whose graph optimizer {fold}, keeping "
-            "the conv's name): export with torch.onnx.export(..., dynamo=True, optimize=False) to keep them as trained"
+            f"the conv's name, {transposed}): export with torch.onnx.export(..., dynamo=True, optimize=False) to "
+            "keep them as trained"
         )
     if exporter == "torchscript":
         return (
             f"this file was written by the TorchScript exporter, torch.onnx.export(..., dynamo=False), whose "
-            f"constant folding {fold}, under a new name): export with do_constant_folding=False to keep them as "
-            "trained"
+            f"constant folding {fold} under a new name, {transposed}): export with do_constant_folding=False to keep "
+            "them as trained"
         )
     return (
-        f"the exporter {fold}): with torch.onnx.export(..., dynamo=True) export with optimize=False, with the "
-        "TorchScript exporter (dynamo=False) with do_constant_folding=False"
+        f"the exporter {fold}, {transposed}): with torch.onnx.export(..., dynamo=True) export with optimize=False, "
+        "with the TorchScript exporter (dynamo=False) with do_constant_folding=False"
     )
 
 
@@ -494,22 +510,7 @@ def _check_parameter(
         return problem(f"ambiguous: the artifact's {', '.join(repr(a) for a in ambiguous)} could be other "
                        "parameters of the trained model")  # fmt: skip
     if tensor_name is None:
-        # A renamed copy (the TorchScript exporter's folded conv weight) has the parameter's
-        # shape and a name that is no one's in the trained model.
-        candidates = tuple(
-            sorted(
-                a for a, s in reader.shapes.items()
-                if shape is not None and s == shape and not any(_related(a, k) for k in known)
-            )
-        )  # fmt: skip
-        shown: tuple[OffTarget, ...] = ()
-        candidate_off = None
-        if len(candidates) == 1:
-            try:
-                candidate_off, shown, _ = _compare(reader.load(candidates[0]), entries)
-            except (_Unreadable, IndexError):
-                pass
-        return problem("missing", candidates=candidates, shown=shown, candidate_off_target=candidate_off)
+        return problem("missing", candidates=_candidates(reader, shape, entries, known))
     found_shape = reader.shapes[tensor_name]
     rewrites = reader.rewrites.get(tensor_name, ())
     if shape is not None and found_shape != shape:
@@ -528,6 +529,37 @@ def _check_parameter(
         name, key, pins, elements, tensor_name, off, shown=shown, dtype=str(tensor.dtype).replace("torch.", ""),
         target_dtype=target_dtype, rewrites=rewrites,
     )  # fmt: skip
+
+
+def _candidates(
+    reader: _Reader, shape: Optional[tuple[int, ...]], entries: _Entries, known: set[str]
+) -> tuple[Candidate, ...]:
+    """Unmatched artifact tensors of the parameter's shape or its transpose, compared with the
+    targets (the first :data:`MAX_CANDIDATES` of them: each is read)."""
+    if shape is None:
+        return ()
+    flipped = shape[::-1] if len(shape) == 2 else None
+    names = sorted(
+        a for a, s in reader.shapes.items()
+        if (s == shape or s == flipped) and not any(_related(a, k) for k in known)
+    )  # fmt: skip
+    found = []
+    for name in names[:MAX_CANDIDATES]:
+        try:
+            tensor = reader.load(name)
+        except _Unreadable:
+            continue
+        # A square matrix may be a copy either way: keep the closer reading.
+        readings = [(False, tensor)] if tuple(tensor.shape) == shape else []
+        if tuple(tensor.shape) == flipped:
+            readings.append((True, tensor.t()))
+        try:
+            compared = [(_compare(t, entries)[:2], transposed) for transposed, t in readings]
+        except IndexError:  # targets that do not fit this shape: not a copy
+            continue
+        (off, shown), transposed = min(compared, key=lambda c: c[0][0])
+        found.append(Candidate(name, transposed, off, shown))
+    return tuple(found)
 
 
 def _shape_of(entries: _Entries, trained: Optional[Tensor]) -> Optional[tuple[int, ...]]:
@@ -645,18 +677,7 @@ def _parameter_lines(p: ParameterCheck, several: bool) -> list[str]:
     if p.holds:
         return [f"{head}: holds{rewrites}"]
     if p.problem == "missing":
-        lines = [f"{head}: MISSING from the artifact"]
-        if len(p.candidates) == 1 and p.candidate_off_target is not None:
-            lines.append(
-                f"  the only unmatched tensor of its shape, {p.candidates[0]!r} (a renamed copy?), differs at "
-                f"{p.candidate_off_target:,} of them"
-            )
-            lines += [f"    {_show(e, p)}" for e in p.shown]
-            if p.candidate_off_target > len(p.shown):
-                lines.append(f"    ... and {p.candidate_off_target - len(p.shown):,} more")
-        elif p.candidates:
-            lines.append(f"  unmatched tensors of its shape: {', '.join(repr(c) for c in p.candidates)}")
-        return lines
+        return [f"{head}: MISSING from the artifact"] + [f"  {line}" for line in _candidate_lines(p)]
     if p.problem is not None:
         return [f"{head}: {p.problem}{rewrites}"]
     lines = [f"{head}: {p.off_target:,} OFF TARGET{rewrites}"]
@@ -664,6 +685,26 @@ def _parameter_lines(p: ParameterCheck, several: bool) -> list[str]:
     if p.off_target > len(p.shown):
         lines.append(f"  ... and {p.off_target - len(p.shown):,} more")
     return lines
+
+
+def _candidate_lines(p: ParameterCheck) -> list[str]:
+    def called(c: Candidate) -> str:
+        return f"{c.name!r}{' (transposed)' if c.transposed else ''}"
+
+    holding = [c for c in p.candidates if c.off_target == 0]
+    if len(holding) == 1:
+        return [f"{called(holding[0])} holds every pinned element: a renamed copy of it?"]
+    if len(p.candidates) == 1:
+        (c,) = p.candidates
+        lines = [f"the only unmatched tensor of its shape, {called(c)}, differs at {c.off_target:,} of them:"]
+        lines += [f"  {_show(e, p)}" for e in c.shown]
+        if c.off_target > len(c.shown):
+            lines.append(f"  ... and {c.off_target - len(c.shown):,} more")
+        return lines
+    if p.candidates:
+        listed = ", ".join(f"{called(c)} differs at {c.off_target:,}" for c in p.candidates)
+        return [f"unmatched tensors of its shape: {listed}"]
+    return []
 
 
 def _show(element: OffTarget, p: ParameterCheck) -> str:
