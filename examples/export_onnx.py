@@ -117,8 +117,8 @@ def main() -> None:
             got = torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
             relative = ((got - expected).abs().max() / expected.abs().max()).item()
             same = bool((got.argmax(1) == expected.argmax(1)).all())
-            print(f"ONNX Runtime vs torch on {len(x)} digits: same predicted class for all: {same}; "
-                  f"largest difference {relative:.1e} of the largest logit (kernels differ, not the weights)")  # fmt: skip
+            print(f"ONNX Runtime vs torch on {len(x)} digits: same predicted class for all: {same}; largest "
+                  f"difference {relative:.1e} of the largest logit (the kernels differ, not the weights)")
             assert same
             assert check("cnn.ckpt", onnx_file, "dynamo=True (default), no BatchNorm", rows) == 0
 

@@ -28,7 +28,7 @@ imports Lightning or the pinning engine.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -476,14 +476,13 @@ def _related(a: str, b: str) -> bool:
     return a == b or a.endswith("." + b) or b.endswith("." + a)
 
 
-def _match(name: str, available: Iterable[str], known: set[str]) -> tuple[Optional[str], tuple[str, ...]]:
+def _match(name: str, available: Collection[str], known: set[str]) -> tuple[Optional[str], tuple[str, ...]]:
     """The artifact tensor that is ``name``, or (None, the tensors it could be) when that is ambiguous.
 
     An artifact tensor whose name differs by leading module names matches only when no other name
     of the trained model (``known``: its state dict and every pinned name) is related to it the
     same way: ``conv1.weight`` is not ``enc.conv1.weight`` when the model also has ``dec.conv1.weight``.
     """
-    available = list(available)
     if name in available:
         return name, ()
     candidates = [a for a in available if _related(a, name)]
