@@ -82,9 +82,12 @@ def forced_cells(pinned: str, artifact: str) -> str:
     """What the file holds at the five forced cells, as `check` reads them."""
     result = check_artifacts(pinned, artifact)
     (conv1,) = [p for p in result.artifacts[0].parameters if p.name == "backbone.conv1.weight"]
-    read = {e.position: e.value for e in conv1.shown}
-    values = [read.get(cell, value) if conv1.shown or conv1.holds else None for cell, value in zip(CELLS, VALUES)]
-    return ", ".join("?" if v is None else f"{v:.4g}" for v in values)
+    if conv1.problem == "missing":  # renamed: read the one unmatched tensor of its shape
+        (renamed,) = conv1.candidates
+        read, note = {e.position: e.value for e in renamed.shown}, f"  (in {renamed.name!r})"
+    else:
+        read, note = {e.position: e.value for e in conv1.shown}, ""
+    return ", ".join(f"{read.get(cell, value):.4g}" for cell, value in zip(CELLS, VALUES)) + note
 
 
 def check(pinned: str, artifact: str, title: str, rows: list) -> int:
