@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,app]"
+	$(PY) -m pip install -q -e ".[dev,app,export]"
 	touch $(STAMP)
 
 # The Hydra app with its defaults: pretrain a small CNN on digits, stick 5% of its conv weights

@@ -17,6 +17,9 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
+from lightning_pin.reporting.compare import differs as _differs
+from lightning_pin.reporting.compare import select as _select
+
 #: Prefix of the callback-state keys of :class:`~lightning_pin.PinCallback` in a Lightning checkpoint.
 PIN_STATE_PREFIX = "PinCallback"
 
@@ -142,16 +145,6 @@ def diff_checkpoints(a: Mapping[str, Any], b: Mapping[str, Any]) -> CheckpointDi
     return CheckpointDiff(tensors, checks, source if states else None)
 
 
-def _differs(ta: Tensor, tb: Tensor) -> Tensor:
-    """Elements that differ bit for bit (so NaN equals NaN and -0.0 differs from 0.0)."""
-    if ta.dtype != tb.dtype:
-        return ta.to(torch.float64) != tb.to(torch.float64)
-    if ta.is_floating_point() and ta.element_size() in (2, 4, 8):
-        as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[ta.element_size()]
-        return ta.contiguous().view(as_int) != tb.contiguous().view(as_int)
-    return ta != tb
-
-
 def _pin_states(checkpoint: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     callbacks = checkpoint.get("callbacks") or {}
     return {
@@ -184,11 +177,6 @@ def _check_pins(
                 changed = int(_differs(_select(ta, index), _select(tb, index)).sum())
             checks.append(PinCheck(key, pin_id, name, elements, off, changed, pin_id in active))
     return checks
-
-
-def _select(tensor: Tensor, index: Optional[Tensor]) -> Tensor:
-    flat = tensor.reshape(-1)
-    return flat if index is None else flat.index_select(0, index.long())
 
 
 def _off_target(tensor: Optional[Tensor], index: Optional[Tensor], target: Tensor) -> Optional[int]:
