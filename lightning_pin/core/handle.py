@@ -11,6 +11,11 @@ instead of Lightning's:
 - a step post-hook writes every pinned value back right after each real step (a step the scaler
   skips runs no hook and changes no weight), counts the steps of the first optimizer, and forces
   the values of pins whose window starts at the next step, so that step's forward sees them.
+
+A step that ``torch.amp.GradScaler`` skips (inf/NaN gradients) calls no ``step()`` of a
+for-loop or foreach optimizer: no hook runs and ``handle.step`` does not count it. A fused
+optimizer's ``step()`` is called and skips its update on the device (``found_inf``); the handle
+counts that step, as reading ``found_inf`` would cost a host-device sync per step.
 """
 
 from __future__ import annotations
@@ -46,18 +51,22 @@ def as_pins(pins: PinsLike) -> list[Pin]:
 
 
 def unwrap_optimizer(optimizer: Any) -> Optimizer:
-    """The ``torch.optim.Optimizer`` inside a wrapper (Fabric's ``_FabricOptimizer`` keeps it in
-    ``.optimizer``; Lightning's ``LightningOptimizer`` in ``._optimizer``).
+    """The ``torch.optim.Optimizer`` inside a wrapper (Fabric's ``_FabricOptimizer`` and
+    Lightning's ``LightningOptimizer`` keep it in ``_optimizer``, Accelerate's in ``optimizer``).
+
+    The wrappers pass ``isinstance(wrapper, Optimizer)`` (they imitate the wrapped class), so
+    they are looked through whatever their type: hooks then sit on the optimizer whose
+    ``step()`` runs, and are called with the same object the handle holds.
 
     Raises:
         PinError: ``optimizer`` is not an optimizer and wraps none.
     """
-    seen = 0
-    while not isinstance(optimizer, Optimizer) and seen < 4:
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None:
+    for _ in range(4):
+        attributes = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
+        inner = next((attributes[k] for k in ("_optimizer", "optimizer") if isinstance(attributes.get(k), Optimizer)), None)
+        if inner is None or inner is optimizer:
             break
-        optimizer, seen = inner, seen + 1
+        optimizer = inner
     if not isinstance(optimizer, Optimizer):
         raise PinError(f"expected a torch.optim.Optimizer (or a Fabric-wrapped one), got {type(optimizer).__name__}")
     return optimizer
@@ -85,7 +94,9 @@ class PinHandle:
         #: Completed steps of the first optimizer: the step the pins' windows refer to.
         self.step = 0
         self._hits: frozenset[int] = frozenset()
-        self._decided = False  # batch_start ran since the last step
+        # Ids of the optimizers that may step: batch_start ran since their last step. Per
+        # optimizer, so one batch_start covers a batch that steps several of them.
+        self._decided: set[int] = set()
         self._has_when = any(rp.when is not None for rp in engine.plan.pins)
         self._handles: list[RemovableHandle] = []
 
@@ -95,8 +106,8 @@ class PinHandle:
         for optimizer in self.optimizers:
             self._handles.append(optimizer.register_step_pre_hook(self._before_step))
         self._handles += engine.attach(self.optimizers)  # restores after each step
-        if self.optimizers:
-            self._handles.append(self.optimizers[0].register_step_post_hook(self._after_first_step))
+        for optimizer in self.optimizers:  # after the restore: post-hooks run in registration order
+            self._handles.append(optimizer.register_step_post_hook(self._after_step))
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -117,21 +128,23 @@ class PinHandle:
                     return any_rank(hits, device)
 
         self._hits = self.engine.when_hits(self.step, batch, batch_idx, agree)
-        self._decided = True
+        self._decided = {id(o) for o in self.optimizers}
         self.engine.set_active(self.engine.ids_at(self.step, self._hits))
 
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        if self._has_when and not self._decided:
+        if self._has_when and id(optimizer) not in self._decided:
             raise PinError(
-                "a pin has `when`, but handle.batch_start(batch, batch_idx) was not called since the last "
-                "optimizer step: call it before each batch's forward, so the pin knows whether this batch is "
-                "pinned"
+                "a pin has `when`, but handle.batch_start(batch, batch_idx) was not called since this "
+                "optimizer's last step: call it before each batch's forward, so the pin knows whether this "
+                "batch is pinned"
             )
         self.engine.drop_whole_grads(optimizer)
 
-    def _after_first_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self._decided.discard(id(optimizer))
+        if optimizer is not self.optimizers[0]:
+            return
         self.step += 1
-        self._decided = False
         # Pins whose window starts now are forced before the next forward; when pins keep this
         # batch's decision until the next batch_start.
         self.engine.set_active(self.engine.ids_at(self.step, self._hits))
@@ -236,8 +249,12 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     optimizer_list = [optimizers] if not isinstance(optimizers, (list, tuple)) else list(optimizers)
     optimizer_list = [unwrap_optimizer(o) for o in optimizer_list]
     target = unwrap(module)
-    engine = PinEngine(resolve(as_pins(pins), target))
+    engine = PinEngine(resolve(as_pins(pins), target))  # every check; nothing is touched yet
     handle = PinHandle(target, optimizer_list, engine)
-    handle._attach()
-    engine.set_active(engine.ids_at(0))  # capture and force the pins of step 0
+    try:
+        handle._attach()
+        engine.set_active(engine.ids_at(0))  # capture and force the pins of step 0
+    except BaseException:
+        handle.remove()  # no hook left behind
+        raise
     return handle
