@@ -575,7 +575,8 @@ def save_after_ten(path) -> None:
     torch.save({"model": model.state_dict(), "opt": optimizer.state_dict(), "pins": handle.state_dict()}, path)
 
 
-def test_resume_is_bit_identical_to_uninterrupted(uninterrupted, tmp_path):
+@pytest.mark.parametrize("order", ["pin-first", "weights-first"])
+def test_resume_is_bit_identical_to_uninterrupted(uninterrupted, tmp_path, order):
     path = tmp_path / "ckpt.pt"
     save_after_ten(path)
     saved = torch.load(path, weights_only=True)
@@ -584,11 +585,16 @@ def test_resume_is_bit_identical_to_uninterrupted(uninterrupted, tmp_path):
     fresh = snapshot(model)
     assert not torch.equal(fresh["encoder.weight"], uninterrupted["init"]["encoder.weight"])
     optimizer = adam_l2(model)
-    # The order of the README: pin() first (it zeroes the optimizer statistics of the pins of
-    # step 0, which must not touch the loaded ones), then the saved states, the pins' last.
-    handle = pin(model, optimizer, resume_pins())
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["opt"])
+    # Either order, as long as the pins' state is loaded last. The pins of step 0 zero their
+    # optimizer statistics when they activate, which must not touch the loaded ones.
+    if order == "pin-first":  # the README's order
+        handle = pin(model, optimizer, resume_pins())
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["opt"])
+    else:
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["opt"])
+        handle = pin(model, optimizer, resume_pins())
     handle.load_state_dict(saved["pins"])
     assert handle.step == 10
     records: list[dict] = []
@@ -617,6 +623,30 @@ def test_resume_without_the_pin_state_is_not_identical(uninterrupted, tmp_path):
     optimizer.load_state_dict(saved["opt"])
     run(model, optimizer, handle, batches(20)[10:])
     assert not torch.equal(model.encoder.weight.detach(), uninterrupted["final"]["encoder.weight"])
+
+
+def test_pins_on_a_trained_optimizer_zero_its_statistics():
+    """pin() on an optimizer that already has statistics (training goes on with pins from now):
+    they are zeroed for the pinned elements before the first step with pins."""
+    model = TinyNet()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    data = batches(3)
+    for batch in data[:2]:
+        ce_loss(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    index = torch.tensor([0, 18])
+
+    def moments():
+        state = optimizer.state[model.head.weight]
+        return torch.stack([state[k].reshape(-1)[index] for k in ("exp_avg", "exp_avg_sq")])
+
+    assert bool((moments() != 0).all())
+    handle = pin(model, optimizer, Pin("head.weight", indices=[(0, 0), (1, 2)], value=0.5))
+    ce_loss(model, data[2]).backward()
+    optimizer.step()
+    assert torch.equal(moments(), torch.zeros(2, 2)) and handle.step == 1
+    handle.verify()
 
 
 def test_state_dict_refuses_other_pins(tmp_path):

@@ -63,10 +63,10 @@ def unwrap_optimizer(optimizer: Any) -> Optimizer:
     """
     for _ in range(4):
         attributes = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
-        inner = next((attributes[k] for k in ("_optimizer", "optimizer") if isinstance(attributes.get(k), Optimizer)), None)
-        if inner is None or inner is optimizer:
+        inner = [attributes[k] for k in ("_optimizer", "optimizer") if isinstance(attributes.get(k), Optimizer)]
+        if not inner or inner[0] is optimizer:
             break
-        optimizer = inner
+        optimizer = inner[0]
     if not isinstance(optimizer, Optimizer):
         raise PinError(f"expected a torch.optim.Optimizer (or a Fabric-wrapped one), got {type(optimizer).__name__}")
     return optimizer
@@ -99,6 +99,10 @@ class PinHandle:
         self._decided: set[int] = set()
         self._has_when = any(rp.when is not None for rp in engine.plan.pins)
         self._handles: list[RemovableHandle] = []
+        # Step-window pins that pin() activated, whose optimizer statistics are zeroed right
+        # before the first step rather than in pin(): a resume may load the optimizer's state
+        # after pin(), and load_state_dict() then cancels this (the saved run zeroed them already).
+        self._pending_reset: list[int] = []
 
     def _attach(self) -> None:
         engine = self.engine
@@ -138,6 +142,10 @@ class PinHandle:
                 "optimizer's last step: call it before each batch's forward, so the pin knows whether this "
                 "batch is pinned"
             )
+        if self._pending_reset:
+            for each in self.optimizers:
+                self.engine.reset_optimizer_state(each, self._pending_reset)
+            self._pending_reset = []
         self.engine.drop_whole_grads(optimizer)
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
@@ -178,15 +186,20 @@ class PinHandle:
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Resume: take the saved targets and step count, and force the targets into the weights.
 
-        Call after loading the model's and optimizers' state: the saved targets win over
-        whatever the loaded weights hold.
+        Call after loading the model's and optimizers' state (before or after :func:`pin`): the
+        saved targets win over whatever the loaded weights hold, and the loaded optimizer
+        statistics are kept as saved.
 
         Raises:
             PinError: the state is corrupt or does not match these pins (with ``strict``).
         """
         saved = self.engine.load_state_dict(state, strict=strict)
-        if saved is not None and saved.step is not None:
-            self.step = saved.step
+        if saved is not None:
+            # The saved run zeroed the statistics of its pins when they activated; the loaded
+            # optimizer state already reflects that (pins that start afresh are activated below).
+            self._pending_reset = []
+            if saved.step is not None:
+                self.step = saved.step
         self.engine.set_active(self.engine.ids_at(self.step, self._hits))
         self.engine.force()
 
@@ -252,8 +265,11 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     engine = PinEngine(resolve(as_pins(pins), target))  # every check; nothing is touched yet
     handle = PinHandle(target, optimizer_list, engine)
     try:
+        # Capture and force the pins of step 0 before attaching to the optimizers, so that their
+        # statistics are zeroed at the first step, not now (see PinHandle._pending_reset).
+        started = engine.set_active(engine.ids_at(0))
+        handle._pending_reset = [i for i in started if engine.plan.pins[i].when is None]
         handle._attach()
-        engine.set_active(engine.ids_at(0))  # capture and force the pins of step 0
     except BaseException:
         handle.remove()  # no hook left behind
         raise

@@ -238,7 +238,10 @@ def call_when(rp: ResolvedPin, batch: Any, batch_idx: int) -> bool:
         return bool(answer)
     if type(answer).__module__ == "numpy" and type(answer).__name__ in ("bool", "bool_"):
         return bool(answer)
-    shown = f"a tensor of dtype {answer.dtype} and shape {tuple(answer.shape)}" if isinstance(answer, Tensor) else repr(answer)
+    if isinstance(answer, Tensor):
+        shown = f"a tensor of dtype {answer.dtype} and shape {tuple(answer.shape)}"
+    else:
+        shown = repr(answer)
     raise PinError(
         f"{rp.pin!r}: when(batch, batch_idx) must return a bool (or a 0-d bool tensor), got {shown} "
         f"for batch {batch_idx}"
