@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_pin import Pin, pin
+from lightning_pin import Pin, PinError, pin
 from lightning_pin.core.plan import fraction_indices
 
 STEPS = 6
@@ -91,6 +91,22 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             record["steps"].append(snap(net))
         handle.verify()
         record["step"] = handle.step
+        handle.remove()
+        # Ranks that resolve different pins, and a rank that rejects its spec: every rank raises.
+        record["refused"] = []
+        for pins in (
+            [Pin("head.bias", value=0.0 if rank == 0 else 1.0)],
+            [Pin("head.bias") if rank == 0 else Pin("head.bais")],
+        ):
+            before = snap(net)
+            try:
+                pin(model, optimizer, pins)
+                record["refused"].append("")
+            except PinError as err:
+                record["refused"].append(str(err))
+            unchanged = all(torch.equal(v, before[n]) for n, v in snap(net).items())
+            hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in net.parameters())
+            record["refused"][-1] += f" | unchanged={unchanged} hooks={hooks}"
         torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -146,3 +162,12 @@ def test_when_pin_holds_if_any_rank_asks(ranks):
             now = params["encoder.bias"]
             assert torch.equal(now, before) == hit, f"encoder.bias on step {step}: hit={hit}"
             before = now
+
+
+def test_every_rank_refuses_pins_that_differ_or_that_one_rank_rejects(ranks):
+    zero, one = ranks
+    differ, rejected = zip(zero["refused"], one["refused"])
+    for message in differ:
+        assert "the ranks resolved different pins" in message and message.endswith("unchanged=True hooks=0")
+    assert "another rank rejected its pins" in rejected[0] and rejected[0].endswith("unchanged=True hooks=0")
+    assert "head.bais" in rejected[1] and rejected[1].endswith("unchanged=True hooks=0")

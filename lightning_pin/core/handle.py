@@ -72,6 +72,40 @@ def unwrap_optimizer(optimizer: Any) -> Optimizer:
     return optimizer
 
 
+def _world_size() -> int:
+    """Processes in the default group, 1 without torch.distributed."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def ranks_agree(engine: Optional[PinEngine], rejected: Optional[PinError], device: torch.device) -> None:
+    """Once, in :func:`pin` under torch.distributed: every rank must hold the same pins.
+
+    A pin that holds on one rank only makes the replicas diverge silently, and a rank that
+    rejected its spec would leave the others waiting in their first all-reduce. One all-reduce
+    of a rejection flag and the plan's digest (as two 31-bit halves, max and negated min, so
+    the reduction is exact on any backend).
+
+    Raises:
+        PinError: another rank rejected its pins, or the ranks resolved different pins.
+    """
+    digest = 0 if engine is None else int(engine.plan.fingerprint(), 16) & (2**62 - 1)
+    halves = [digest >> 31, digest & (2**31 - 1)]
+    flags = torch.tensor([int(rejected is not None)] + halves + [-h for h in halves], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    any_rejected, high, low = int(flags[0]), flags[1:3], -flags[3:5]
+    if rejected is not None:
+        raise rejected
+    if any_rejected:
+        raise PinError("another rank rejected its pins (see its error); pin() fails on every rank")
+    if not torch.equal(high, low):
+        raise PinError(
+            f"the ranks resolved different pins (rank {torch.distributed.get_rank()}: plan "
+            f"{engine.plan.fingerprint()}): a pin that holds on one rank only makes the replicas diverge. Build the same Pins on every rank "
+            "(fraction + seed and files give identical selections everywhere)."
+        )
+
+
 def any_rank(hits: list[bool], device: torch.device) -> list[bool]:
     """Per ``when`` pin, whether it holds on any process (one small all-reduce)."""
     flags = torch.tensor(hits, dtype=torch.int32, device=device)
@@ -124,12 +158,11 @@ class PinHandle:
                 has the wrong signature.
         """
         agree = None
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            if torch.distributed.get_world_size() > 1:
-                device = self.engine.device
+        if _world_size() > 1:
+            device = self.engine.device
 
-                def agree(hits: list[bool]) -> list[bool]:
-                    return any_rank(hits, device)
+            def agree(hits: list[bool]) -> list[bool]:
+                return any_rank(hits, device)
 
         self._hits = self.engine.when_hits(self.step, batch, batch_idx, agree)
         self._decided = {id(o) for o in self.optimizers}
@@ -240,9 +273,13 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         pins: :class:`Pin`\\ s, or mappings with the same keys.
         strict: Refuse saved pin state that does not match in :meth:`PinHandle.load_state_dict`.
 
+    Under torch.distributed, call it on every rank with the same pins: the ranks compare what
+    they resolved once (one small all-reduce), and all of them raise if one rejects its pins.
+
     Raises:
-        PinError: a pin cannot be honoured (named, with what would be right); no weight has
-            changed and no hook is left behind.
+        PinError: a pin cannot be honoured (named, with what would be right), or the ranks of a
+            distributed run resolved different pins; no weight has changed and no hook is left
+            behind.
 
     Example::
 
@@ -260,9 +297,18 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         (0.5, 3)
     """
     optimizer_list = [optimizers] if not isinstance(optimizers, (list, tuple)) else list(optimizers)
-    optimizer_list = [unwrap_optimizer(o) for o in optimizer_list]
     target = unwrap(module)
-    engine = PinEngine(resolve(as_pins(pins), target))  # every check; nothing is touched yet
+    try:
+        optimizer_list = [unwrap_optimizer(o) for o in optimizer_list]
+        engine: Optional[PinEngine] = PinEngine(resolve(as_pins(pins), target))  # every check, nothing touched
+        rejected = None
+    except PinError as err:
+        engine, rejected = None, err
+    if _world_size() > 1:
+        device = next((p.device for p in target.parameters()), torch.device("cpu"))
+        ranks_agree(engine, rejected, device)
+    if rejected is not None:
+        raise rejected
     handle = PinHandle(target, optimizer_list, engine)
     try:
         # Capture and force the pins of step 0 before attaching to the optimizers, so that their
