@@ -507,6 +507,20 @@ def test_rejected_spec_changes_nothing_and_leaves_no_hook(pins, optimizers, mess
     assert all(torch.equal(v, before[n]) for n, v in snapshot(model).items())
 
 
+def test_sparse_gradients_refuse_element_pins_at_pin_time():
+    model = nn.Embedding(10, 4, sparse=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before, empty = snapshot(model), hook_counts(model, [optimizer])
+    with pytest.raises(PinError, match=r"'weight' gets sparse gradients .*use sparse=False, or pin the whole tensor"):
+        pin(model, optimizer, Pin("weight", indices=[(1, 1)], value=0.5))
+    assert hook_counts(model, [optimizer]) == empty and torch.equal(model.weight.detach(), before["weight"])
+    # A whole-tensor pin needs no dense gradient.
+    with pin(model, optimizer, Pin("weight")) as handle:
+        model(torch.tensor([1, 2])).sum().backward()
+        optimizer.step()
+        assert torch.equal(model.weight.detach(), before["weight"]) and handle.step == 1
+
+
 def test_empty_pin_set_trains_bit_identically():
     """The pinning never moves anything by itself."""
     torch.manual_seed(0)

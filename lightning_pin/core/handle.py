@@ -72,6 +72,26 @@ def unwrap_optimizer(optimizer: Any) -> Optimizer:
     return optimizer
 
 
+def refuse_sparse_gradients(engine: PinEngine, module: nn.Module) -> None:
+    """Element pins need dense gradients to mask; whole-tensor pins drop the gradient and need none.
+
+    Raises:
+        PinError: an element pin sits on the weight of an ``nn.Embedding`` / ``nn.EmbeddingBag``
+            with ``sparse=True``.
+    """
+    element_pinned = {
+        name for rp in engine.plan.pins for name, selection in rp.selections.items() if selection.index is not None
+    }
+    for module_name, child in module.named_modules():
+        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse:
+            name = f"{module_name}.weight" if module_name else "weight"
+            if name in element_pinned:
+                raise PinError(
+                    f"{name!r} gets sparse gradients ({type(child).__name__}(sparse=True)), which element pins "
+                    "cannot mask; use sparse=False, or pin the whole tensor"
+                )
+
+
 def _world_size() -> int:
     """Processes in the default group, 1 without torch.distributed."""
     dist = torch.distributed
@@ -301,6 +321,7 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     try:
         optimizer_list = [unwrap_optimizer(o) for o in optimizer_list]
         engine: Optional[PinEngine] = PinEngine(resolve(as_pins(pins), target))  # every check, nothing touched
+        refuse_sparse_gradients(engine, target)
         rejected = None
     except PinError as err:
         engine, rejected = None, err
