@@ -22,6 +22,7 @@ from test_optimizers import BATCH, CASES, STEPS, _free_mask, _pins_and_expected
 from torch import nn
 
 from lightning_pin import Pin, PinError, PinHandle, pin
+from lightning_pin.core.plan import fraction_indices
 
 # --------------------------------------------------------------------------------------------
 # Shared pieces
@@ -663,14 +664,27 @@ def test_pins_on_a_trained_optimizer_zero_its_statistics():
     handle.verify()
 
 
-def test_state_dict_refuses_other_pins(tmp_path):
+def test_state_dict_refuses_other_pins_unless_not_strict():
     model = TinyNet()
-    optimizer = adam_l2(model)
-    state = pin(model, optimizer, resume_pins()).state_dict()
+    state = pin(model, adam_l2(model), resume_pins()).state_dict()
     other_model = TinyNet()
-    other = pin(other_model, torch.optim.SGD(other_model.parameters(), lr=0.1), resume_pins()[:2])
+    other_pins = resume_pins()
+    other_pins[1] = Pin("head.weight", indices=[(0, 1), (2, 5)], value=[3.0, -1.0])  # one value changed
+    other = pin(other_model, adam_l2(other_model), other_pins)
     with pytest.raises(PinError, match="does not match these pins"):
         other.load_state_dict(state)
+    other.remove()
+    lenient = pin(other_model, adam_l2(other_model), other_pins, strict=False)
+    with pytest.warns(UserWarning, match="strict=False: ignoring saved pin state that does not match"):
+        lenient.load_state_dict(state)  # the default given to pin()
+    with pytest.raises(PinError, match="does not match these pins"):
+        lenient.load_state_dict(state, strict=True)
+    # The matching pins took the saved targets (captured ones too); the changed one kept its own.
+    lenient.verify()
+    assert torch.equal(other_model.head.weight.detach()[[0, 2], [1, 5]], torch.tensor([3.0, -1.0]))
+    saved_fraction = dict(model.named_parameters())["encoder.weight"].detach().reshape(-1)
+    index = fraction_indices("encoder.weight", 128, 0.25, 3)
+    assert torch.equal(other_model.encoder.weight.detach().reshape(-1)[index], saved_fraction[index])
 
 
 # --------------------------------------------------------------------------------------------

@@ -141,10 +141,14 @@ class PinHandle:
     ``module`` (the module the pins were resolved on, wrappers removed).
     """
 
-    def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer], engine: PinEngine) -> None:
+    def __init__(
+        self, module: nn.Module, optimizers: Sequence[Optimizer], engine: PinEngine, *, strict: bool = True
+    ) -> None:
         self.module = module
         self.optimizers = list(optimizers)
         self.engine = engine
+        #: Default of :meth:`load_state_dict`'s ``strict``.
+        self.strict = strict
         #: Completed steps of the first optimizer: the step the pins' windows refer to.
         self.step = 0
         self._hits: frozenset[int] = frozenset()
@@ -236,17 +240,19 @@ class PinHandle:
         dicts and primitives only, so ``torch.load(weights_only=True)`` reads it back."""
         return self.engine.state_dict(step=self.step)
 
-    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], strict: Optional[bool] = None) -> None:
         """Resume: take the saved targets and step count, and force the targets into the weights.
 
         Call after loading the model's and optimizers' state (before or after :func:`pin`): the
         saved targets win over whatever the loaded weights hold, and the loaded optimizer
-        statistics are kept as saved.
+        statistics are kept as saved. ``strict`` (default: the one given to :func:`pin`) refuses
+        saved state that does not match these pins; with ``strict=False`` a warning names it and
+        the mismatching pins start afresh.
 
         Raises:
             PinError: the state is corrupt or does not match these pins (with ``strict``).
         """
-        saved = self.engine.load_state_dict(state, strict=strict)
+        saved = self.engine.load_state_dict(state, strict=self.strict if strict is None else strict)
         if saved is not None:
             # The saved run zeroed the statistics of its pins when they activated; the loaded
             # optimizer state already reflects that (pins that start afresh are activated below).
@@ -330,7 +336,7 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         ranks_agree(engine, rejected, device)
     if rejected is not None:
         raise rejected
-    handle = PinHandle(target, optimizer_list, engine)
+    handle = PinHandle(target, optimizer_list, engine, strict=strict)
     try:
         # Capture and force the pins of step 0 before attaching to the optimizers, so that their
         # statistics are zeroed at the first step, not now (see PinHandle._pending_reset).
