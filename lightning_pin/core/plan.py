@@ -226,8 +226,26 @@ def call_when(rp: ResolvedPin, batch: Any, batch_idx: int) -> bool:
 
     A ``when`` decides on the host: a 0-d bool tensor on a device is read back (one sync per
     ``when`` pin and batch, inherent to deciding per batch).
+
+    Raises:
+        PinError: the ``when`` returned something other than a bool, a numpy bool or a 0-d bool
+            tensor (``None``, a number or a string would be taken as "pinned" or not by accident).
     """
-    return bool(rp.when(batch, batch_idx))
+    answer = rp.when(batch, batch_idx)
+    if isinstance(answer, bool):
+        return answer
+    if isinstance(answer, Tensor) and answer.dtype == torch.bool and answer.ndim == 0:
+        return bool(answer)
+    if type(answer).__module__ == "numpy" and type(answer).__name__ in ("bool", "bool_"):
+        return bool(answer)
+    if isinstance(answer, Tensor):
+        shown = f"a tensor of dtype {answer.dtype} and shape {tuple(answer.shape)}"
+    else:
+        shown = repr(answer)
+    raise PinError(
+        f"{rp.pin!r}: when(batch, batch_idx) must return a bool (or a 0-d bool tensor), got {shown} "
+        f"for batch {batch_idx}"
+    )
 
 
 def _strip_compile_prefix(name: str) -> str:
