@@ -25,7 +25,7 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.core.handle import as_pins
 from lightning_pin.core.modules import unwrap
 from lightning_pin.callbacks.monitor import PinMonitor
-from lightning_pin.core.plan import check_conflicts, check_targets_fit, resolve
+from lightning_pin.core.plan import check_conflicts, check_targets_fit, refuse_sparse_gradients, resolve
 from lightning_pin.core.state import find_pin_states
 from lightning_pin.core.spec import Pin
 
@@ -147,7 +147,7 @@ class PinCallback(Callback):
         module = trainer.lightning_module
         try:
             plan, rejected = resolve(self.pins, module, warn=rank_zero_warn), None
-            _refuse_sparse_gradients(plan, module)
+            refuse_sparse_gradients(plan, module)
         except PinError as err:
             plan, rejected = None, err
         # A spec can fail on one rank only (a file missing on one node): every rank must raise,
@@ -483,18 +483,3 @@ def _raise_if_any_rank_rejected(trainer: pl.Trainer, pl_module: pl.LightningModu
             raise PinError("another rank rejected its pins (see its error); every rank stops before training")
     if rejected is not None:
         raise rejected
-
-
-def _refuse_sparse_gradients(plan: Any, module: nn.Module) -> None:
-    """Element pins need dense gradients; whole-tensor pins drop the gradient and need none."""
-    element_pinned = {
-        name for rp in plan.pins for name, selection in rp.selections.items() if selection.index is not None
-    }
-    for module_name, child in module.named_modules():
-        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse:
-            name = f"{module_name}.weight" if module_name else "weight"
-            if name in element_pinned:
-                raise PinError(
-                    f"{name!r} gets sparse gradients ({type(child).__name__}(sparse=True)), which element pins "
-                    "cannot mask; use sparse=False, or pin the whole tensor"
-                )

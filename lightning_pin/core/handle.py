@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.modules import unwrap
-from lightning_pin.core.plan import resolve
+from lightning_pin.core.plan import refuse_sparse_gradients, resolve
 from lightning_pin.core.spec import Pin
 
 PinsLike = Union[Pin, Mapping[str, Any], Sequence[Union[Pin, Mapping[str, Any]]]]
@@ -70,26 +70,6 @@ def unwrap_optimizer(optimizer: Any) -> Optimizer:
     if not isinstance(optimizer, Optimizer):
         raise PinError(f"expected a torch.optim.Optimizer (or a Fabric-wrapped one), got {type(optimizer).__name__}")
     return optimizer
-
-
-def refuse_sparse_gradients(engine: PinEngine, module: nn.Module) -> None:
-    """Element pins need dense gradients to mask; whole-tensor pins drop the gradient and need none.
-
-    Raises:
-        PinError: an element pin sits on the weight of an ``nn.Embedding`` / ``nn.EmbeddingBag``
-            with ``sparse=True``.
-    """
-    element_pinned = {
-        name for rp in engine.plan.pins for name, selection in rp.selections.items() if selection.index is not None
-    }
-    for module_name, child in module.named_modules():
-        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse:
-            name = f"{module_name}.weight" if module_name else "weight"
-            if name in element_pinned:
-                raise PinError(
-                    f"{name!r} gets sparse gradients ({type(child).__name__}(sparse=True)), which element pins "
-                    "cannot mask; use sparse=False, or pin the whole tensor"
-                )
 
 
 def _world_size() -> int:
@@ -327,7 +307,7 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     try:
         optimizer_list = [unwrap_optimizer(o) for o in optimizer_list]
         engine: Optional[PinEngine] = PinEngine(resolve(as_pins(pins), target))  # every check, nothing touched
-        refuse_sparse_gradients(engine, target)
+        refuse_sparse_gradients(engine.plan, target)
         rejected = None
     except PinError as err:
         engine, rejected = None, err

@@ -663,3 +663,22 @@ def _common(a: Selection, b: Selection) -> tuple[Tensor, Tensor]:
     shared = a.index[in_b]
     return a.values[in_b], b.values[torch.searchsorted(b.index, shared)]
 
+
+def refuse_sparse_gradients(plan: PinPlan, module: nn.Module) -> None:
+    """Element pins need dense gradients to mask; whole-tensor pins drop the gradient and need none.
+
+    Raises:
+        PinError: an element pin sits on the weight of an ``nn.Embedding`` / ``nn.EmbeddingBag``
+            with ``sparse=True``.
+    """
+    element_pinned = {
+        name for rp in plan.pins for name, selection in rp.selections.items() if selection.index is not None
+    }
+    for module_name, child in module.named_modules():
+        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse:
+            name = f"{module_name}.weight" if module_name else "weight"
+            if name in element_pinned:
+                raise PinError(
+                    f"{name!r} gets sparse gradients ({type(child).__name__}(sparse=True)), which element pins "
+                    "cannot mask; use sparse=False, or pin the whole tensor"
+                )
