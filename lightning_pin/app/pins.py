@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
+from lightning_pin.core.io import TensorFileError, load_tensors
 from lightning_pin.core.plan import fraction_indices, name_seed, resolve
 from lightning_pin.core.spec import Pin
 
@@ -102,19 +103,21 @@ def fault_map_pins(path: Union[str, Path]) -> list[Pin]:
 
     The file (``.pt`` / ``.pth`` / ``.safetensors``) maps parameter names to tensors of the
     parameters' shapes: NaN marks a healthy cell, any other number a cell stuck at that number.
+
+    Raises:
+        PinError: the file does not exist or cannot be read, holds anything but a dict of tensors,
+            or marks no faulty cell.
     """
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise PinError(
-            f"fault map {str(path)!r} does not exist (relative paths are taken from {Path.cwd()}); "
-            "write one with lightning_pin.app.pins.random_fault_map and torch.save"
-        )
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        faults = load_file(str(path), device="cpu")
-    else:
-        faults = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        faults = load_tensors(path)
+    except TensorFileError as err:
+        if err.reason == "missing":
+            raise PinError(
+                f"fault map {str(path)!r} does not exist (relative paths are taken from {Path.cwd()}); "
+                "write one with lightning_pin.app.pins.random_fault_map and torch.save"
+            ) from err
+        raise PinError(f"fault map: {err}") from err
     if not isinstance(faults, Mapping) or not all(isinstance(v, Tensor) for v in faults.values()):
         raise PinError(f"fault map {str(path)!r} must hold a dict of tensors by parameter name")
     pins = []

@@ -25,9 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
+from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
 from lightning_pin.core.spec import Pin
-
-_TENSOR_FILE_SUFFIXES = (".pt", ".pth", ".safetensors")
 
 
 @dataclasses.dataclass
@@ -539,26 +538,22 @@ def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: nn.Parameter, warn
 
 
 def _load(pin: Pin, field: str, source: Any, files: dict[str, Any]) -> Any:
+    """``source`` itself, or what the file it names holds (read once per resolve, shared by pins)."""
     if not isinstance(source, (str, Path)):
         return source
-    path = Path(source).expanduser()
-    key = str(path)
+    key = str(Path(source).expanduser())
     if key not in files:
-        if path.suffix not in _TENSOR_FILE_SUFFIXES:
-            raise PinError(f"{pin!r}: {field} file {str(source)!r} must end in one of {_TENSOR_FILE_SUFFIXES}")
-        if not path.is_file():
-            raise PinError(
-                f"{pin!r}: {field} file {str(source)!r} does not exist (relative paths are taken from "
-                f"{Path.cwd()}); give the path of an existing .pt or .safetensors file"
-            )
         try:
-            if path.suffix == ".safetensors":
-                from safetensors.torch import load_file
-
-                files[key] = load_file(str(path), device="cpu")
-            else:
-                files[key] = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # any reader error is a bad input file
+            files[key] = load_tensors(key)
+        except TensorFileError as err:
+            what = f"{pin!r}: {field} file {str(source)!r}"
+            if err.reason == "suffix":
+                raise PinError(f"{what} must end in one of {TENSOR_FILE_SUFFIXES}") from err
+            if err.reason == "missing":
+                raise PinError(
+                    f"{what} does not exist (relative paths are taken from {Path.cwd()}); give the path of an "
+                    "existing .pt or .safetensors file"
+                ) from err
             raise PinError(f"{pin!r}: cannot read {field} file {str(source)!r}: {err}") from err
     return files[key]
 
