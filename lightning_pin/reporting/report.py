@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_pin.reporting.preservation import Preservation
+from lightning_pin.reporting.tables import Column, print_table
 
 REPORT_JSON = "pin_report.json"
 REPORT_PNG = "pin_report.png"
@@ -275,29 +276,21 @@ def report_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def print_report(report: Mapping[str, Any], title: str = "lightning-pin report", note: Optional[str] = None) -> None:
-    """Print the report as a table (rich when installed, plain text otherwise), then ``note``."""
+    """Print the report as a table (rich when installed, plain text otherwise), then ``note``.
+
+    Raises:
+        KeyError: ``report`` lacks a key :func:`make_report` writes.
+    """
     rows = report_rows(report)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        width = max(len(k) for k, _ in rows)
-        print(title)
-        for key, value in rows:
-            print(f"  {key.ljust(width)}  {value}")
-        if note:
-            print(note)
-        return
-    table = Table(title=title, show_header=False)
-    table.add_column("quantity", style="bold")
-    table.add_column("value", justify="right")
-    for key, value in rows:
-        style = "red" if key.startswith("violations") and value != "0" else None
-        table.add_row(key, value, style=style)
-    console = Console()
-    console.print(table)
-    if note:
-        console.print(note, markup=False, soft_wrap=True)
+    print_table(
+        [Column("quantity", style="bold"), Column("value", justify="right")],
+        rows,
+        title,
+        show_header=False,
+        # A pin off target is the one line that must not be missed.
+        row_styles=["red" if key.startswith("violations") and value != "0" else None for key, value in rows],
+        footer=[(note, None)] if note else (),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
