@@ -45,6 +45,9 @@ class ValueGenerator:
 class UniformValues(ValueGenerator):
     """Targets drawn uniformly from ``[low, high)``, reproducible from ``seed`` and the parameter's name.
 
+    Raises:
+        PinError: ``low`` is not below ``high``.
+
     Example::
 
         >>> import torch
@@ -67,7 +70,18 @@ class UniformValues(ValueGenerator):
 
 
 class NormalValues(ValueGenerator):
-    """Targets drawn from a normal distribution, reproducible from ``seed`` and the parameter's name."""
+    """Targets drawn from a normal distribution, reproducible from ``seed`` and the parameter's name.
+
+    Example::
+
+        >>> import torch
+        >>> values = NormalValues(mean=0.0, std=0.5, seed=3)
+        >>> torch.equal(values("head.bias", torch.zeros(4)), values("head.bias", torch.zeros(4)))
+        True
+
+    Raises:
+        PinError: ``std`` is not positive.
+    """
 
     def __init__(self, mean: float = 0.0, std: float = 1.0, seed: int = 0) -> None:
         if not std > 0:
@@ -84,8 +98,11 @@ class NormalValues(ValueGenerator):
 def realize(pin: Pin, module: nn.Module) -> Pin:
     """``pin`` with a :class:`ValueGenerator` value replaced by one tensor per parameter it matches.
 
-    Other pins are returned as they are. Raises :class:`~lightning_pin.PinError` (from the plan's
-    checks) when the pin matches no parameter of ``module``.
+    Other pins are returned as they are.
+
+    Raises:
+        PinError: the pin matches no parameter of ``module``, or fails another of
+            :func:`~lightning_pin.core.plan.resolve`'s checks.
     """
     if not isinstance(pin.value, ValueGenerator):
         return pin
@@ -143,6 +160,17 @@ def random_fault_map(
     """A fault map for ``module``: ``fraction`` of the cells of the matched parameters stuck in ``[low, high)``.
 
     Save it with ``torch.save(fault_map, "faults.pt")`` and run ``pin=fault_map pin.fault_map=faults.pt``.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_pin.app.models import SmallCNN
+        >>> faults = random_fault_map(SmallCNN(), "features.0.weight", fraction=0.05, seed=1)
+        >>> int((~faults["features.0.weight"].isnan()).sum())  # 5% of 144 cells, rounded
+        7
+
+    Raises:
+        PinError: ``params`` matches no parameter of ``module``, or ``fraction`` is not in (0, 1].
     """
     selections = resolve([Pin(params)], module).pins[0].selections
     values = UniformValues(low, high, seed)

@@ -93,13 +93,25 @@ CONFIG_DIR = find_config_dir()
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> Optional[float]:
-    """Run one job; return ``optimized_metric`` of its summary (what Optuna optimizes)."""
+    """Run one job; return ``optimized_metric`` of its summary (what Optuna optimizes).
+
+    Raises:
+        PinError, ValueError, FileNotFoundError: as :func:`run`.
+    """
     summary = run(cfg)
     return summary[cfg.optimized_metric]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Pretrain, pin, retrain, verify, report. Returns the run summary (also in ``run_summary.json``)."""
+    """Pretrain, pin, retrain, verify, report. Returns the run summary (also in ``run_summary.json``).
+
+    Raises:
+        PinError: a pin cannot be honoured on the model (before any training), or a pinned
+            element is off target after training (``PinCallback.verify``).
+        ValueError: ``optimized_metric`` is not a key of the summary, the model and the data
+            disagree on the number of classes, or ``callbacks.pin_callback`` is missing.
+        FileNotFoundError: ``ckpt_path`` does not exist.
+    """
     started = time.perf_counter()
     if cfg.optimized_metric not in OPTIMIZABLE:
         raise ValueError(f"optimized_metric={cfg.optimized_metric!r} is not one of {list(OPTIMIZABLE)}")
@@ -158,6 +170,10 @@ def build_pins(pin_cfg: DictConfig, model: torch.nn.Module) -> list[Pin]:
     Each entry of ``pins`` becomes a :class:`~lightning_pin.Pin`; a value given as a generator node
     (``_target_: lightning_pin.app.pins.UniformValues``) becomes one tensor per matched parameter;
     a ``fault_map`` file adds one pin per parameter it marks.
+
+    Raises:
+        PinError: an entry is not a valid pin, a generator's pin matches no parameter of
+            ``model``, or the fault map is missing, unreadable or marks no faulty cell.
     """
     entries = instantiate(pin_cfg.pins, _convert_="all")
     pins = [realize(Pin.from_config(entry), model) for entry in entries]
@@ -168,6 +184,11 @@ def build_pins(pin_cfg: DictConfig, model: torch.nn.Module) -> list[Pin]:
 
 
 def build_pin_callback(cfg: DictConfig, pins: Sequence[Pin]) -> PinCallback:
+    """The :class:`~lightning_pin.PinCallback` of ``callbacks.pin_callback``, holding ``pins``.
+
+    Raises:
+        ValueError: the config has no ``callbacks.pin_callback``.
+    """
     if "pin_callback" not in cfg.callbacks:
         raise ValueError(
             "callbacks.pin_callback is missing: the app retrains with the PinCallback it describes "
@@ -203,7 +224,11 @@ def build_loggers(cfg: DictConfig, phase: str) -> list[Logger]:
 
 
 def check_classes(model: pl.LightningModule, datamodule: pl.LightningDataModule) -> None:
-    """Fail early, with the fix, when the model's outputs do not match the data's classes."""
+    """Fail early, with the fix, when the model's outputs do not match the data's classes.
+
+    Raises:
+        ValueError: ``model.backbone.num_classes`` differs from ``datamodule.num_classes``.
+    """
     model_classes = getattr(getattr(model, "backbone", None), "num_classes", None)
     data_classes = getattr(datamodule, "num_classes", None)
     if model_classes is not None and data_classes is not None and model_classes != data_classes:

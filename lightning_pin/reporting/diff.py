@@ -1,8 +1,8 @@
 """Compare two checkpoints: which tensors changed and by how many elements, and whether saved pins hold.
 
-This answers "what did training actually change?": freezing the wrong object (the BERT user in
-the seeds froze a copy of the trained model, so nothing was frozen) shows up as a "frozen" module
-whose elements all changed, and the pins a :class:`~lightning_pin.PinCallback` saved in a
+This answers "what did training actually change?": freezing the wrong object shows up as a
+"frozen" module whose elements all changed (a BERT fine-tuning user froze ``model.encoder``, but
+the object being trained was a different wrapper, so nothing was frozen), and the pins a :class:`~lightning_pin.PinCallback` saved in a
 checkpoint are checked against the weights of the other one, bit for bit. Nothing here imports
 Lightning: checkpoints are read with ``torch.load(weights_only=True)``.
 """
@@ -21,7 +21,15 @@ from torch import Tensor
 from lightning_pin.core.io import load_checkpoint
 from lightning_pin.reporting.tables import Column, print_table
 
-__all__ = ["CheckpointDiff", "PinCheck", "TensorDiff", "diff_checkpoints", "format_diff", "load_checkpoint", "print_diff"]
+__all__ = [
+    "CheckpointDiff",
+    "PinCheck",
+    "TensorDiff",
+    "diff_checkpoints",
+    "format_diff",
+    "load_checkpoint",
+    "print_diff",
+]
 
 #: Prefix of the callback-state keys of :class:`~lightning_pin.PinCallback` in a Lightning checkpoint.
 PIN_STATE_PREFIX = "PinCallback"
@@ -93,6 +101,9 @@ def diff_checkpoints(a: Mapping[str, Any], b: Mapping[str, Any]) -> CheckpointDi
 
     The pin state comes from ``b``'s callbacks (the state at the end of the compared interval),
     or from ``a``'s when ``b`` has none.
+
+    Raises:
+        KeyError: ``a`` or ``b`` has no ``"state_dict"`` (:func:`load_checkpoint` always gives one).
     """
     weights_a, weights_b = a["state_dict"], b["state_dict"]
     tensors = []
@@ -214,8 +225,9 @@ def print_diff(diff: CheckpointDiff, a_name: str = "A", b_name: str = "B", chang
     )
     rows = format_diff(diff, changed_only)
     styles = {True: "green", False: "red", None: None}
+    numbers = [Column(header, justify="right") for header in ("elements", "changed", "max |B - A|")]
     print_table(
-        [Column("tensor"), Column("shape"), *(Column(h, justify="right") for h in ("elements", "changed", "max |B - A|"))],
+        [Column("tensor"), Column("shape"), *numbers],
         rows,
         f"{Path(a_name).name} -> {Path(b_name).name}",
         # Tensors that did not change fade, so the ones that did stand out.

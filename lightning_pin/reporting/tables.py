@@ -93,8 +93,8 @@ def plain_lines(
     Example::
 
         >>> from lightning_pin.reporting.tables import Column, plain_lines
-        >>> lines = plain_lines(["tensor", Column("changed", justify="right")], [["head.weight", "48"], ["head.bias", "3"]],
-        ...                     title="a.ckpt -> b.ckpt")
+        >>> columns = ["tensor", Column("changed", justify="right")]
+        >>> lines = plain_lines(columns, [["head.weight", "48"], ["head.bias", "3"]], title="a.ckpt -> b.ckpt")
         >>> print("\\n".join(lines))
         a.ckpt -> b.ckpt
           tensor       changed
