@@ -141,9 +141,16 @@ def resolve(
 ) -> PinPlan:
     """Resolve ``pins`` on the parameters of ``module`` into a :class:`PinPlan`.
 
-    Raises :class:`PinError` naming the offending pin for every input that cannot be honoured.
     Values that the parameter's dtype can only approximate are pinned to the nearest
     representable value, and ``warn`` (default :func:`warnings.warn`) is told what will be stored.
+
+    Raises:
+        PinError: naming the offending pin, for every input that cannot be honoured: a pattern that
+            matches no parameter (with the closest names), conflicting fields, indices or a mask
+            that do not fit the parameter, values of the wrong count or shape or not representable
+            in its dtype (NaN, infinities, overflow), a missing or unreadable ``mask`` / ``value``
+            file, a ``when`` that cannot be imported, or two pins that give one element different
+            values at steps that can overlap.
     """
     warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
     named = dict(module.named_parameters())
@@ -194,7 +201,11 @@ def _check_pin_fields(pin: Pin) -> Callable[[Any, int], bool] | None:
 
 
 def resolve_when(pin: Pin) -> Callable[[Any, int], bool] | None:
-    """The pin's ``when`` as a callable: import a ``"module.attr"`` / ``"module:attr"`` path."""
+    """The pin's ``when`` as a callable: import a ``"module.attr"`` / ``"module:attr"`` path.
+
+    Raises:
+        PinError: ``when`` is not an import path, cannot be imported, or is not callable.
+    """
     when = pin.when
     if when is None or callable(when):
         return when
