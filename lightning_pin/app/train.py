@@ -109,7 +109,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         PinError: a pin cannot be honoured on the model (before any training), or a pinned
             element is off target after training (``PinCallback.verify``).
         ValueError: ``optimized_metric`` is not a key of the summary, the model and the data
-            disagree on the number of classes, or ``callbacks.pin_callback`` is missing.
+            disagree on the number of classes, ``callbacks.pin_callback`` is missing, or
+            ``ckpt_path`` is not a checkpoint that loads with ``weights_only=True``.
         FileNotFoundError: ``ckpt_path`` does not exist.
     """
     started = time.perf_counter()

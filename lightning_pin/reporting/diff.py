@@ -1,10 +1,11 @@
 """Compare two checkpoints: which tensors changed and by how many elements, and whether saved pins hold.
 
-This answers "what did training actually change?": freezing the wrong object shows up as a
-"frozen" module whose elements all changed (a BERT fine-tuning user froze ``model.encoder``, but
-the object being trained was a different wrapper, so nothing was frozen), and the pins a :class:`~lightning_pin.PinCallback` saved in a
-checkpoint are checked against the weights of the other one, bit for bit. Nothing here imports
-Lightning: checkpoints are read with ``torch.load(weights_only=True)``.
+This answers "what did training actually change?". Freezing the wrong object shows up as a
+"frozen" module whose elements all changed: a BERT fine-tuning user froze ``model.encoder``, but
+the object being trained was a different wrapper, so nothing was frozen. The pins a
+:class:`~lightning_pin.PinCallback` saved in a checkpoint are checked against the weights of the
+other one, bit for bit. Nothing here imports Lightning: checkpoints are read with
+``torch.load(weights_only=True)`` (:mod:`lightning_pin.core.io`).
 """
 
 from __future__ import annotations
