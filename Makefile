@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench bench-quick clean
+.PHONY: install demo test clean
 
 install: $(STAMP)
 
@@ -28,4 +28,4 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) lightning_logs outputs multirun .pytest_cache .hypothesis
+	rm -rf $(VENV) lightning_logs outputs multirun .pytest_cache .hypothesis build dist lightning_pin.egg-info

@@ -106,6 +106,14 @@ class PinMonitor:
         report: Write the report files and print the table at the end of training.
         report_dir: Where to write the report (default: the first logger's ``log_dir``).
 
+    Raises:
+        PinError: When built, for an ``accuracy`` that is neither a bool nor a torchmetrics
+            ``Metric``, an unknown ``on_max_gap``, a negative or non-finite ``max_gap`` or
+            ``tolerance``, or a ``predict`` path that cannot be imported. While measuring, for a
+            batch the default ``predict`` cannot split, or a metric that computes more than one
+            number.
+        AccuracyGapError: With ``on_max_gap="raise"``, when the gap exceeds ``max_gap``.
+
     Example::
 
         >>> from torchmetrics.classification import MulticlassAccuracy
@@ -537,7 +545,11 @@ class PinMonitor:
 
 
 def default_predict(module: nn.Module, batch: Any) -> tuple[Tensor, Tensor]:
-    """``(module(x), y)`` for ``(x, y)`` batches and mappings with input and target keys."""
+    """``(module(x), y)`` for ``(x, y)`` batches and mappings with input and target keys.
+
+    Raises:
+        PinError: the batch is neither, or a mapping without a known input or target key.
+    """
     if isinstance(batch, Mapping):
         x = next((batch[k] for k in _INPUT_KEYS if k in batch), None)
         y = next((batch[k] for k in _TARGET_KEYS if k in batch), None)

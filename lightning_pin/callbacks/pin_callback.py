@@ -67,6 +67,15 @@ class PinCallback(Callback):
             :class:`~lightning_pin.PinMonitor`, ``True`` for ``PinMonitor()`` (pin drift, violations
             and weight drift on logging steps; no accuracy tracking), or ``False`` for nothing.
 
+    Raises:
+        PinError: When built, for ``pins`` that are not pins or mappings of their keys, an unknown
+            ``verify``, or a ``monitor`` that is neither a ``PinMonitor`` nor a bool. At fit start,
+            before any weight changes, for a pin that cannot be honoured on the module being
+            trained (see :func:`~lightning_pin.core.plan.resolve`), ranks whose pins differ, or a
+            strategy whose shards hide element coordinates (FSDP1, DeepSpeed). On resume with
+            ``strict=True``, for saved pin state these pins cannot match. With ``verify`` other
+            than ``"never"``, for a pinned element found off target.
+
     Example::
 
         >>> import lightning as L
@@ -309,6 +318,10 @@ class PinCallback(Callback):
         Checks every pin that was active at the last optimizer step (or, before any step, every
         pin active now) against ``module``'s parameters, by name; ``module`` defaults to the
         module the pins were resolved on.
+
+        Raises:
+            PinError: a pinned element is off target (the message names them), ``module`` lacks a
+                pinned parameter, or the callback has not been fitted yet.
         """
         if self.engine is None and module is not None and os.path.exists(self._handoff):
             self._adopt_worker_state(module)

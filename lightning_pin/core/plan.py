@@ -25,9 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
+from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
 from lightning_pin.core.spec import Pin
-
-_TENSOR_FILE_SUFFIXES = (".pt", ".pth", ".safetensors")
 
 
 @dataclasses.dataclass
@@ -142,9 +141,16 @@ def resolve(
 ) -> PinPlan:
     """Resolve ``pins`` on the parameters of ``module`` into a :class:`PinPlan`.
 
-    Raises :class:`PinError` naming the offending pin for every input that cannot be honoured.
     Values that the parameter's dtype can only approximate are pinned to the nearest
     representable value, and ``warn`` (default :func:`warnings.warn`) is told what will be stored.
+
+    Raises:
+        PinError: naming the offending pin, for every input that cannot be honoured: a pattern that
+            matches no parameter (with the closest names), conflicting fields, indices or a mask
+            that do not fit the parameter, values of the wrong count or shape or not representable
+            in its dtype (NaN, infinities, overflow), a missing or unreadable ``mask`` / ``value``
+            file, a ``when`` that cannot be imported, or two pins that give one element different
+            values at steps that can overlap.
     """
     warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
     named = dict(module.named_parameters())
@@ -195,7 +201,11 @@ def _check_pin_fields(pin: Pin) -> Callable[[Any, int], bool] | None:
 
 
 def resolve_when(pin: Pin) -> Callable[[Any, int], bool] | None:
-    """The pin's ``when`` as a callable: import a ``"module.attr"`` / ``"module:attr"`` path."""
+    """The pin's ``when`` as a callable: import a ``"module.attr"`` / ``"module:attr"`` path.
+
+    Raises:
+        PinError: ``when`` is not an import path, cannot be imported, or is not callable.
+    """
     when = pin.when
     if when is None or callable(when):
         return when
@@ -580,26 +590,22 @@ def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: Tensor, warn: Call
 
 
 def _load(pin: Pin, field: str, source: Any, files: dict[str, Any]) -> Any:
+    """``source`` itself, or what the file it names holds (read once per resolve, shared by pins)."""
     if not isinstance(source, (str, Path)):
         return source
-    path = Path(source).expanduser()
-    key = str(path)
+    key = str(Path(source).expanduser())
     if key not in files:
-        if path.suffix not in _TENSOR_FILE_SUFFIXES:
-            raise PinError(f"{pin!r}: {field} file {str(source)!r} must end in one of {_TENSOR_FILE_SUFFIXES}")
-        if not path.is_file():
-            raise PinError(
-                f"{pin!r}: {field} file {str(source)!r} does not exist (relative paths are taken from "
-                f"{Path.cwd()}); give the path of an existing .pt or .safetensors file"
-            )
         try:
-            if path.suffix == ".safetensors":
-                from safetensors.torch import load_file
-
-                files[key] = load_file(str(path), device="cpu")
-            else:
-                files[key] = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # any reader error is a bad input file
+            files[key] = load_tensors(key)
+        except TensorFileError as err:
+            what = f"{pin!r}: {field} file {str(source)!r}"
+            if err.reason == "suffix":
+                raise PinError(f"{what} must end in one of {TENSOR_FILE_SUFFIXES}") from err
+            if err.reason == "missing":
+                raise PinError(
+                    f"{what} does not exist (relative paths are taken from {Path.cwd()}); give the path of an "
+                    "existing .pt or .safetensors file"
+                ) from err
             raise PinError(f"{pin!r}: cannot read {field} file {str(source)!r}: {err}") from err
     return files[key]
 

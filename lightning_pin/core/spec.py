@@ -52,7 +52,9 @@ class Pin:
             the pin is active only for the batches where it returns ``True``.
 
     At most one of ``indices``, ``mask`` and ``fraction`` may be given; none of them pins the
-    whole tensor.
+    whole tensor. Building a ``Pin`` checks nothing, since most checks need the model:
+    :func:`~lightning_pin.core.plan.resolve` (at fit start, or in :func:`~lightning_pin.pin`)
+    raises :class:`~lightning_pin.PinError` naming the pin and what would be right.
 
     Example::
 
@@ -83,7 +85,11 @@ class Pin:
 
     @classmethod
     def from_config(cls, config: Pin | Mapping[str, Any]) -> Pin:
-        """Build a ``Pin`` from a ``Pin`` or from a mapping with the same keys (Hydra / YAML)."""
+        """Build a ``Pin`` from a ``Pin`` or from a mapping with the same keys (Hydra / YAML).
+
+        Raises:
+            PinError: ``config`` is neither, has keys that are not fields of ``Pin``, or has no ``params``.
+        """
         if isinstance(config, Pin):
             return config
         if not isinstance(config, Mapping):
