@@ -61,6 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("b", help="the later checkpoint")
     diff.add_argument("--changed-only", action="store_true", help="list only the tensors that changed")
     diff.add_argument("--json", action="store_true", help="print the comparison as JSON instead of tables")
+
+    check = commands.add_parser(
+        "check",
+        help="do the pins a checkpoint saved hold, bit for bit, in exported models (ONNX, safetensors, state dicts)?",
+        description="Compare every pinned element of each exported model with the target the pinned file saved. "
+        "Exit status 0: every pin holds bit for bit; 1: a pinned element is off target or a pinned parameter is "
+        "missing (an exporter folded or renamed it?); 2: the check could not run. ONNX needs "
+        "pip install 'lightning-pin[export]'.",
+    )
+    check.add_argument(
+        "pinned", help="a checkpoint saved by a fit with PinCallback, or a file holding PinHandle.state_dict()"
+    )
+    check.add_argument(
+        "artifacts", nargs="+", metavar="artifact", help="exported models: .onnx, .safetensors, .pt / .pth / .ckpt"
+    )
     return parser
 
 
@@ -71,6 +86,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "report":
         return _report(args)
+    if args.command == "check":
+        return _check(args)
     return _diff(args)
 
 
@@ -137,6 +154,20 @@ def _diff(args: argparse.Namespace) -> int:
         # "0 elements changed" between unrelated files would read as "nothing moved".
         return _fail("diff", f"{args.a} and {args.b} cannot be compared: {unrelated}")
     return 0 if result.pins_hold else 1
+
+
+def _check(args: argparse.Namespace) -> int:
+    from lightning_pin.core.errors import PinError
+    from lightning_pin.reporting import check
+
+    try:
+        result = check.check_artifacts(args.pinned, args.artifacts)
+    except PinError as err:
+        # A usage error: one line, no traceback, status 2 (as argparse's own errors).
+        print(f"lightning-pin check: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    check.print_check(result)
+    return 0 if result.holds else 1
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ def test_diff_on_a_missing_file_exits_2_naming_it(tmp_path, capsys):
 @pytest.mark.parametrize(
     "make, phrase",
     [
-        (lambda p: p.write_bytes(b"not a zip, not a pickle"), "cannot read"),
+        (lambda p: p.write_bytes(b"not a zip, not a pickle"), "cannot load"),
         (lambda p: torch.save([1, 2, 3], p), "holds neither a Lightning checkpoint nor a state dict"),
         (lambda p: torch.save({}, p), "holds neither a Lightning checkpoint nor a state dict"),
         (lambda p: p.mkdir(), "is a directory"),
@@ -203,9 +203,9 @@ def test_diff_on_an_unreadable_file_exits_2_naming_it(tmp_path, capsys, make, ph
 def test_diff_on_a_file_of_an_unknown_kind(tmp_path, capsys):
     weights, state = _model_and_state()
     good = _checkpoint(tmp_path / "a.ckpt", weights, state)
-    (tmp_path / "weights.bin").write_bytes(b"\x00" * 8)
-    assert main(["diff", good, str(tmp_path / "weights.bin")]) == 2
-    assert "weights.bin must end in one of .pt, .pth, .ckpt, .safetensors" in _one_error_line(capsys, "diff")
+    (tmp_path / "weights.npy").write_bytes(b"\x00" * 8)
+    assert main(["diff", good, str(tmp_path / "weights.npy")]) == 2
+    assert "weights.npy must end in one of .pt, .pth, .bin, .ckpt, .safetensors" in _one_error_line(capsys, "diff")
 
 
 def test_diff_of_checkpoints_that_share_no_tensor_exits_2(tmp_path, capsys):

@@ -26,9 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
+from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
 from lightning_pin.core.spec import Pin, check_mask, check_value, coordinates, when_path
-
-_TENSOR_FILE_SUFFIXES = (".pt", ".pth", ".safetensors")
 
 
 @dataclasses.dataclass
@@ -203,9 +202,16 @@ def resolve(
 ) -> PinPlan:
     """Resolve ``pins`` on the parameters of ``module`` into a :class:`PinPlan`.
 
-    Raises :class:`PinError` naming the offending pin for every input that cannot be honoured.
     Values that the parameter's dtype can only approximate are pinned to the nearest
     representable value, and ``warn`` (default :func:`warnings.warn`) is told what will be stored.
+
+    Raises:
+        PinError: naming the offending pin, for every input that cannot be honoured: a pattern that
+            matches no parameter (with the closest names), conflicting fields, indices or a mask
+            that do not fit the parameter, values of the wrong count or shape or not representable
+            in its dtype (NaN, infinities, overflow), a missing or unreadable ``mask`` / ``value``
+            file, a ``when`` that cannot be imported, or two pins that give one element different
+            values at steps that can overlap.
     """
     warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
     named, aliases = tied_names(module)
@@ -225,7 +231,7 @@ def resolve(
                 selection.index = compact_index(selection.index, named[name].numel()).to(named[name].device)
             selections[name] = selection
         resolved.append(ResolvedPin(pin, selections, when, checked))
-    _check_conflicts(resolved)
+    check_conflicts(resolved)
     parameters = {name: named[name] for name in named if any(name in rp.selections for rp in resolved)}
     trainable = sum(p.numel() for p in named.values() if p.requires_grad)
     return PinPlan(resolved, parameters, trainable, {n: aliases[n] for n in parameters if aliases.get(n)})
@@ -252,7 +258,12 @@ def tied_names(module: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, li
 
 
 def resolve_when(pin: Pin) -> Callable[[Any, int], bool] | None:
-    """The pin's ``when`` as a callable: import a ``"module.attr"`` / ``"module:attr"`` path."""
+    """The pin's ``when`` as a callable: import a ``"module.attr"`` / ``"module:attr"`` path.
+
+    Raises:
+        PinError: the path cannot be imported, or leads to something that is not callable (a
+            path that is no import path at all is refused when the Pin is built).
+    """
     path = when_path(pin)  # checked at construction: None here means a callable or None
     if path is None:
         return pin.when
@@ -566,7 +577,21 @@ def _leaves(raw: Any) -> Iterable[Any]:
         yield raw
 
 
-def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: nn.Parameter, warn: Callable[[str], Any]) -> Tensor:
+def check_targets_fit(plan: PinPlan, dtype: torch.dtype) -> None:
+    """Check that every explicit target of a floating parameter survives a cast to ``dtype``, for a
+    trainer that is about to cast the parameters (Lightning's ``precision="16-true"``).
+
+    Raises:
+        PinError: a target overflows ``dtype`` (the same message as resolving on a cast module).
+    """
+    for rp in plan.pins:
+        for name, selection in rp.selections.items():
+            if selection.values is not None and selection.parameter.is_floating_point():
+                cast = torch.empty(0, dtype=dtype, device=selection.values.device)
+                _to_dtype(rp.pin, name, selection.values, cast, lambda message: None)
+
+
+def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: Tensor, warn: Callable[[str], Any]) -> Tensor:
     """Cast targets to the parameter's dtype: reject overflow; warn when rounded.
 
     ``values`` are finite (NaN and inf are rejected by :func:`~lightning_pin.core.spec.check_value`).
@@ -614,26 +639,22 @@ def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: nn.Parameter, warn
 
 
 def _load(pin: Pin, field: str, source: Any, files: dict[str, Any]) -> Any:
+    """``source`` itself, or what the file it names holds (read once per resolve, shared by pins)."""
     if not isinstance(source, (str, Path)):
         return source
-    path = Path(source).expanduser()
-    key = str(path)
+    key = str(Path(source).expanduser())
     if key not in files:
-        if path.suffix not in _TENSOR_FILE_SUFFIXES:
-            raise PinError(f"{pin!r}: {field} file {str(source)!r} must end in one of {_TENSOR_FILE_SUFFIXES}")
-        if not path.is_file():
-            raise PinError(
-                f"{pin!r}: {field} file {str(source)!r} does not exist (relative paths are taken from "
-                f"{Path.cwd()}); give the path of an existing .pt or .safetensors file"
-            )
         try:
-            if path.suffix == ".safetensors":
-                from safetensors.torch import load_file
-
-                files[key] = load_file(str(path), device="cpu")
-            else:
-                files[key] = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # any reader error is a bad input file
+            files[key] = load_tensors(key)
+        except TensorFileError as err:
+            what = f"{pin!r}: {field} file {str(source)!r}"
+            if err.reason == "suffix":
+                raise PinError(f"{what} must end in one of {TENSOR_FILE_SUFFIXES}") from err
+            if err.reason == "missing":
+                raise PinError(
+                    f"{what} does not exist (relative paths are taken from {Path.cwd()}); give the path of an "
+                    "existing .pt or .safetensors file"
+                ) from err
             raise PinError(f"{pin!r}: cannot read {field} file {str(source)!r}: {err}") from err
     return files[key]
 
@@ -687,7 +708,7 @@ def _windows_overlap(a: Pin, b: Pin) -> bool:
     return max(a.start_step, b.start_step) < min(a_stop, b_stop)
 
 
-def _check_conflicts(pins: Sequence[ResolvedPin]) -> None:
+def check_conflicts(pins: Sequence[ResolvedPin]) -> None:
     """Two pins may not give one element different explicit values at times that can overlap."""
     for i, first in enumerate(pins):
         for second in pins[i + 1 :]:
@@ -720,3 +741,22 @@ def _common(a: Selection, b: Selection) -> tuple[Tensor, Tensor]:
     shared = a.index[in_b]
     return a.values[in_b], b.values[torch.searchsorted(b.index, shared)]
 
+
+def refuse_sparse_gradients(plan: PinPlan, module: nn.Module) -> None:
+    """Element pins need dense gradients to mask; whole-tensor pins drop the gradient and need none.
+
+    Raises:
+        PinError: an element pin sits on the weight of an ``nn.Embedding`` / ``nn.EmbeddingBag``
+            with ``sparse=True``.
+    """
+    element_pinned = {
+        name for rp in plan.pins for name, selection in rp.selections.items() if selection.index is not None
+    }
+    for module_name, child in module.named_modules():
+        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse:
+            name = f"{module_name}.weight" if module_name else "weight"
+            if name in element_pinned:
+                raise PinError(
+                    f"{name!r} gets sparse gradients ({type(child).__name__}(sparse=True)), which element pins "
+                    "cannot mask; use sparse=False, or pin the whole tensor"
+                )

@@ -63,7 +63,9 @@ class Pin:
             called once per batch on the host: a device tensor result costs one host read.
 
     At most one of ``indices``, ``mask`` and ``fraction`` may be given; none of them pins the
-    whole tensor.
+    whole tensor. Building a ``Pin`` checks nothing, since most checks need the model:
+    :func:`~lightning_pin.core.plan.resolve` (at fit start, or in :func:`~lightning_pin.pin`)
+    raises :class:`~lightning_pin.PinError` naming the pin and what would be right.
 
     Raises:
         PinError: At construction, for every mistake that needs no model: ``params`` not a
@@ -105,7 +107,11 @@ class Pin:
 
     @classmethod
     def from_config(cls, config: Pin | Mapping[str, Any]) -> Pin:
-        """Build a ``Pin`` from a ``Pin`` or from a mapping with the same keys (Hydra / YAML)."""
+        """Build a ``Pin`` from a ``Pin`` or from a mapping with the same keys (Hydra / YAML).
+
+        Raises:
+            PinError: ``config`` is neither, has keys that are not fields of ``Pin``, or has no ``params``.
+        """
         if isinstance(config, Pin):
             return config
         if not isinstance(config, Mapping):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_pin.reporting.preservation import Preservation
+from lightning_pin.reporting.tables import Column, print_table
 
 REPORT_JSON = "pin_report.json"
 REPORT_PNG = "pin_report.png"
@@ -69,6 +70,9 @@ def make_report(
     ``recovered_step``, ``pinned_elements``, ``violations``, ``pin_drift_max`` and ``weight_drift``
     are always present (None where nothing was measured). ``gap`` is how much worse than the
     baseline the final value is (positive: worse), in the metric's units.
+
+    Raises:
+        ValueError: ``tolerance`` is negative or not finite.
     """
     preservation = Preservation(higher_is_better=higher_is_better, tolerance=tolerance)
     preservation.baseline = baseline
@@ -121,7 +125,14 @@ def _mean(values: Sequence[float]) -> Optional[float]:
 
 
 def write_report(report: Mapping[str, Any], directory: Union[str, Path], plot: bool = True) -> list[Path]:
-    """Write ``pin_report.json`` (and ``pin_report.png`` when ``plot``) into ``directory``."""
+    """Write ``pin_report.json`` (and ``pin_report.png`` when ``plot``) into ``directory``.
+
+    Returns the paths written; without matplotlib the PNG is skipped with a warning.
+
+    Raises:
+        OSError: ``directory`` cannot be created or written to.
+        KeyError: ``report`` lacks the ``history`` that :func:`make_report` writes (with ``plot``).
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     json_path = directory / REPORT_JSON
@@ -138,7 +149,14 @@ def write_report(report: Mapping[str, Any], directory: Union[str, Path], plot: b
 
 
 def plot_report(report: Mapping[str, Any], path: Union[str, Path]) -> Optional[Path]:
-    """Plot the metric, the pin drift and the weight drift against the optimizer step into ``path``."""
+    """Plot the metric, the pin drift and the weight drift against the optimizer step into ``path``.
+
+    Returns ``path``, or None (with a warning) when matplotlib is not installed.
+
+    Raises:
+        KeyError: ``report`` lacks the ``history`` that :func:`make_report` writes.
+        OSError: ``path`` cannot be written.
+    """
     try:
         # A Figure of its own, not pyplot: no global backend or figure state is touched.
         from matplotlib.figure import Figure
@@ -281,29 +299,21 @@ def report_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def print_report(report: Mapping[str, Any], title: str = "lightning-pin report", note: Optional[str] = None) -> None:
-    """Print the report as a table (rich when installed, plain text otherwise), then ``note``."""
+    """Print the report as a table (rich when installed, plain text otherwise), then ``note``.
+
+    Raises:
+        KeyError: ``report`` lacks a key :func:`make_report` writes.
+    """
     rows = report_rows(report)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        width = max(len(k) for k, _ in rows)
-        print(title)
-        for key, value in rows:
-            print(f"  {key.ljust(width)}  {value}")
-        if note:
-            print(note)
-        return
-    table = Table(title=title, show_header=False)
-    table.add_column("quantity", style="bold")
-    table.add_column("value", justify="right")
-    for key, value in rows:
-        style = "red" if key.startswith("violations") and value != "0" else None
-        table.add_row(key, value, style=style)
-    console = Console()
-    console.print(table)
-    if note:
-        console.print(note, markup=False, soft_wrap=True)
+    print_table(
+        [Column("quantity", style="bold"), Column("value", justify="right")],
+        rows,
+        title,
+        show_header=False,
+        # A pin off target is the one line that must not be missed.
+        row_styles=["red" if key.startswith("violations") and value != "0" else None for key, value in rows],
+        footer=[(note, None)] if note else (),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,7 +321,11 @@ def print_report(report: Mapping[str, Any], title: str = "lightning-pin report",
 
 
 def find_metrics_csv(run_dir: Union[str, Path]) -> Path:
-    """``RUN_DIR/metrics.csv``, or the newest ``metrics.csv`` below ``RUN_DIR`` (e.g. ``lightning_logs``)."""
+    """``RUN_DIR/metrics.csv``, or the newest ``metrics.csv`` below ``RUN_DIR`` (e.g. ``lightning_logs``).
+
+    Raises:
+        FileNotFoundError: there is no ``metrics.csv`` in or below ``run_dir``.
+    """
     run_dir = Path(run_dir)
     if not run_dir.exists():
         raise FileNotFoundError(f"{run_dir} does not exist: point at the log directory of a CSVLogger run")
@@ -330,6 +344,7 @@ def read_metrics_csv(path: Union[str, Path]) -> list[dict[str, float]]:
     """The rows of a ``metrics.csv``, with empty cells dropped and values as floats.
 
     Raises:
+        OSError: the file cannot be opened.
         ReportError: the file has no header, no row, or a cell that is not a number (named with
             its row and column).
     """
@@ -429,6 +444,10 @@ def report_from_csv(
     What the CSV cannot hold (the metric's direction and tolerance) comes from the arguments, or
     from the ``pin_report.json`` that :class:`~lightning_pin.PinMonitor` writes next to it when
     training starts, or defaults to "higher is better" and 0.01.
+
+    Raises:
+        FileNotFoundError: there is no ``metrics.csv`` in or below ``run_dir``.
+        ValueError: the run logged several tracked metrics and ``metric`` does not choose one.
     """
     csv_path = find_metrics_csv(run_dir)
     rows = read_metrics_csv(csv_path)
