@@ -225,3 +225,35 @@ def test_a_0d_bool_tensor_when_pins_exactly_on_its_batches():
             assert torch.equal(bias, target), (batch_idx, bias)
         else:
             assert not torch.equal(bias, target), (batch_idx, bias)
+
+
+def _engine_with(when):
+    from lightning_pin.core.engine import PinEngine
+
+    return PinEngine(resolve([Pin("0.bias", when=when), Pin("1.bias", when=lambda b, i: True)], nn.Sequential(
+        nn.Linear(2, 2), nn.Linear(2, 2))))
+
+
+def test_processes_agree_on_when_decisions_and_on_failures():
+    # agree() stands for the all-reduce: flags are [this or another process failed, *hits].
+    seen = []
+
+    def other_rank_says(flags):
+        def agree(local):
+            seen.append(list(local))
+            return [a or b for a, b in zip(local, flags)]
+
+        return agree
+
+    engine = _engine_with(lambda b, i: False)
+    assert engine.when_hits(0, None, 0, agree=other_rank_says([False, True, False])) == frozenset({0, 1})
+    assert seen[-1] == [False, False, True]
+    # Another process's `when` failed: this one raises too, rather than wait in the next reduction.
+    with pytest.raises(PinError, match="a `when` failed on another process at batch 3"):
+        engine.when_hits(0, None, 3, agree=other_rank_says([True, False, False]))
+    # This process's `when` fails: it still takes part in the reduction (so the others learn of
+    # it), then raises its own error.
+    failing = _engine_with(_returning("no"))
+    with pytest.raises(PinError, match="returned"):
+        failing.when_hits(0, None, 0, agree=other_rank_says([False, False, False]))
+    assert seen[-1] == [True, False, False]

@@ -335,7 +335,7 @@ class PinCallback(Callback):
         """Take over the state a spawned rank 0 left behind (see ``on_fit_end``)."""
         state = self._worker_state()
         os.remove(self._handoff)
-        engine = PinEngine(resolve(self.pins, module, warn=lambda message: None))
+        engine = PinEngine(resolve(self.pins, unwrap(module), warn=lambda message: None))
         engine.load_state_dict(state, strict=True)
         self.engine = engine
 

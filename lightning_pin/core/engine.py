@@ -344,14 +344,26 @@ class PinEngine:
         """Ids of the ``when`` pins in their window at ``step`` whose ``when`` selects this batch.
 
         ``agree`` combines the decisions across processes (each sees its own batch, and a pin
-        must hold on every replica or none): :func:`any_rank` under torch.distributed.
+        must hold on every replica or none): an element-wise "any rank" of a list of flags.
+
+        Raises:
+            PinError: a ``when`` answered badly, here or, with ``agree``, on another process (every
+                process raises together rather than leave the others waiting in the reduction).
         """
         candidates = [i for i, rp in enumerate(self.plan.pins) if rp.when is not None and rp.in_window(step)]
         if not candidates:
             return frozenset()
-        hits = [call_when(self.plan.pins[i], batch, batch_idx) for i in candidates]
+        failed: PinError | None = None
+        try:
+            hits = [call_when(self.plan.pins[i], batch, batch_idx) for i in candidates]
+        except PinError as err:
+            failed, hits = err, [False] * len(candidates)
         if agree is not None:
-            hits = agree(hits)
+            any_failed, *hits = agree([failed is not None, *hits])
+            if any_failed and failed is None:
+                raise PinError(f"a `when` failed on another process at batch {batch_idx} (see its error)")
+        if failed is not None:
+            raise failed
         return frozenset(i for i, hit in zip(candidates, hits) if hit)
 
     def set_active(self, pin_ids: Iterable[int]) -> list[int]:

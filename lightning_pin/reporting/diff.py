@@ -35,9 +35,6 @@ __all__ = [
     "print_diff",
 ]
 
-#: Prefix of the callback-state keys of :class:`~lightning_pin.PinCallback` in a Lightning checkpoint.
-PIN_STATE_PREFIX = "PinCallback"
-
 
 @dataclasses.dataclass
 class TensorDiff:
