@@ -11,6 +11,7 @@ register with :meth:`PinEngine.register_restore_hook` and get a removable handle
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,13 +26,9 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import PinPlan, Selection, call_when
 from lightning_pin.core.state import CorruptPinState, PinState, SavedSelection
 
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # torch < 2.4 keeps it private; builds without distributed have none
-    try:
-        from torch.distributed._tensor import DTensor, Replicate, Shard
-    except ImportError:
-        DTensor = Replicate = Shard = None
+# torch.distributed.tensor costs seconds to import (it pulls in sympy), and a plain loop never
+# needs it: a tensor can only be a DTensor once that module has been imported by someone else.
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # public from torch 2.4
 
 #: Per-element optimizer statistics that push an element, zeroed when a step-window pin activates.
 #: Step sizes (Rprop ``step_size``) and weight averages (ASGD ``ax``) are left alone.
@@ -136,12 +133,22 @@ class LocalPart:
 
 
 def is_sharded(tensor: Any) -> bool:
-    return DTensor is not None and isinstance(tensor, DTensor)
+    """Whether ``tensor`` is a DTensor (FSDP2, tensor parallel), without importing DTensor."""
+    for name in _DTENSOR_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and isinstance(tensor, module.DTensor):
+            return True
+    return False
 
 
 def local_part(tensor: Tensor, index: Tensor | None, values: Tensor | None, name: str) -> LocalPart:
     """Map full-tensor indices and targets onto the shard of ``tensor`` this process holds."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    try:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch 2.3
+        from torch.distributed._tensor import Replicate, Shard
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
 
     unsupported = [p for p in tensor.placements if type(p) not in (Shard, Replicate)]
     if unsupported:
