@@ -21,10 +21,21 @@ def test_quick_benchmark_reports_every_section(tmp_path):
     results = json.loads(out.read_text())
     ratios = results["step_time_ratio"]
     assert ratios["unpinned"] == 1.0
-    assert {"pinned 1%", "pinned 50%", "frozen halves", "prune 1%", "dense mask 1%"} <= set(ratios)
+    assert {
+        "pinned 1%", "pinned 20%", "pinned 50%", "pinned 80%", "pinned 50%, statistics at zero (before)",
+        "frozen halves", "prune 1%", "prune 20%", "ours to zero 20%", "dense mask 1%",
+    } <= set(ratios)
     assert all(r > 0 for r in ratios.values())
+    # Every round's ratio is reported, not only the median.
+    assert all(len(rounds) == 2 for rounds in results["step_time_rounds"].values())
+    assert set(results["prune_overhead"]) == {"1%", "20%"}
+    assert {"pinned 50%"} <= set(results["optimizers"]["adam"]) and {"pinned 50%"} <= set(results["optimizers"]["sgd"])
+    assert {"step", "mask", "restore"} <= set(results["engine_ms"]["50%"])
+    # The front door row runs when this build has lightning_pin.pin, and says it skipped otherwise.
+    assert results["plain_loop"] or "skipped: this build has no lightning_pin.pin" in done.stdout
     # int32 indices + float32 targets: exactly 8 bytes per pinned element.
     assert results["bytes_per_pinned_0.01"] == 8.0 and results["bytes_per_pinned_0.5"] == 8.0
+    assert results["bytes_per_pinned_0.8"] == 8.0
     assert results["naive_reset_worst_drift"] > 0  # the naive approach lets values drift
     assert results["setup_seconds"]["params"] > 0 and results["ddp_step_time_ratio"] > 0
     assert "step time / unpinned step time" in done.stdout and "prune / ours" in done.stdout

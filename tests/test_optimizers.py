@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 
 from helpers import TinyNet, make_loader, trainer
 from lightning_pin import Pin, PinCallback, PinError
+from lightning_pin.core.engine import PARKED_VALUE
 from lightning_pin.core.plan import fraction_indices
 
 STEPS = 5
@@ -305,6 +306,18 @@ STAT_KEYS = (
     "momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "grad_avg", "acc_delta", "sum", "prev",
 )
 
+# Second moments that the engine parks at PARKED_VALUE (a normal float, decaying by beta2 / alpha
+# between refreshes) rather than leaving at zero: torch's CPU kernels are slow on roots of zeros.
+# Their numerators (exp_avg, the gradient) are zero, so they push nothing (tests/test_fast_statistics.py).
+PARKED_KEYS = {
+    torch.optim.Adam: ("exp_avg_sq", "max_exp_avg_sq"),
+    torch.optim.AdamW: ("exp_avg_sq", "max_exp_avg_sq"),
+    torch.optim.NAdam: ("exp_avg_sq",),
+    torch.optim.RAdam: ("exp_avg_sq",),
+    torch.optim.RMSprop: ("square_avg",),
+    torch.optim.Adagrad: ("sum",),
+}
+
 STAT_CASES = [
     pytest.param(torch.optim.Adam, dict(lr=0.01), id="adam-forloop"),
     pytest.param(torch.optim.Adam, dict(lr=0.01, amsgrad=True, foreach=True), id="adam_amsgrad-foreach"),
@@ -354,7 +367,11 @@ def test_pinned_elements_carry_no_optimizer_statistics(opt_cls, opt_kwargs):
                     if key in STAT_KEYS and buffer.shape == param.shape:
                         seen_keys.add(key)
                         at = buffer.reshape(-1)[index]
-                        if not bool((at == 0).all()):
+                        if key in PARKED_KEYS.get(opt_cls, ()):
+                            ok = bool(((at > 0) & (at <= PARKED_VALUE)).all())
+                        else:
+                            ok = bool((at == 0).all())
+                        if not ok:
                             problems.append(f"step {step}: {name} {key} at pinned elements = {at.tolist()}")
                 if "step_size" in state[param] and name in rprop_sizes:
                     # Rprop step sizes are left alone by activation (and a zero grad keeps them).

@@ -1,0 +1,207 @@
+"""No host-device synchronisation added by pinning in a steady-state training step.
+
+A GPU run stalls whenever the host waits for a device value: ``.item()``, ``bool(tensor)``,
+``nonzero``, ``unique``, boolean-mask indexing and the like. A ``TorchDispatchMode`` counts the aten
+ops that force such a wait, batch by batch (from the first callback's ``on_train_batch_start``
+to the last one's ``on_train_batch_end``: forward, backward, the optimizer step and every hook),
+in a real ``Trainer.fit`` on CPU, and the counts of a pinned run are compared with those of the
+same run without pins. Torch and Lightning have syncs of their own (for-loop Adam reads its step
+counter with ``.item()``): they are the same on both sides.
+
+What is counted: every batch, except
+
+- a batch whose set of active pins never occurred before: merging the targets of pins that
+  overlap on one parameter deduplicates their indices once per combination (``unique``);
+- with the default :class:`~lightning_pin.PinMonitor`, its logging steps (every
+  ``log_every_n_steps``-th optimizer step), where it reads measurements to log them. With
+  ``monitor=False`` no batch is excluded for that reason.
+
+So windows that start and stop, ``when`` pins that toggle and re-capture their values
+(``value=None``) at every activation, gradient accumulation and clipping are all counted.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import TinyNet, make_loader, trainer
+from lightning_pin import Pin, PinCallback
+
+aten = torch.ops.aten
+
+# Ops whose result the host must wait for (their output size or value is data-dependent).
+_ALWAYS_SYNC = {
+    aten._local_scalar_dense.default,  # .item(), bool(t), int(t), float(t), .tolist()
+    aten.is_nonzero.default,
+    aten.equal.default,
+    aten.nonzero.default,
+    aten.nonzero_numpy.default,
+    aten.argwhere.default,
+    aten.masked_select.default,
+    aten.unique_consecutive.default,
+    aten._unique.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_dim_consecutive.default,
+    aten.bincount.default,
+    aten.repeat_interleave.Tensor,
+}
+# Ops that sync only when indexed by a boolean mask.
+_SYNC_WITH_BOOL_INDEX = {
+    aten.index.Tensor,
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten._index_put_impl_.default,
+}
+_COPIES = {aten._to_copy.default, aten.copy_.default}
+
+
+def _has_bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+
+
+def _crosses_devices(func, args, kwargs) -> bool:
+    """A copy between the host and another device (the host waits for device -> host ones)."""
+    if func is aten.copy_.default:
+        return args[0].device != args[1].device
+    device = kwargs.get("device")
+    return device is not None and torch.device(device) != args[0].device
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts sync-forcing aten ops per ``batch`` (None: not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch: int | None = None
+        self.counts: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.batch is not None and (
+            func in _ALWAYS_SYNC
+            or (func in _SYNC_WITH_BOOL_INDEX and _has_bool_index(args))
+            or (func in _COPIES and _crosses_devices(func, args, kwargs))
+        ):
+            self.counts[self.batch][str(func)] += 1
+        return func(*args, **kwargs)
+
+
+class BatchStart(Callback):
+    """First in the callback list: starts counting the batch; records what is active in it."""
+
+    def __init__(self, counter: SyncCounter, pin_callback: PinCallback | None = None) -> None:
+        self.counter, self.pin_callback = counter, pin_callback
+        self.global_steps: dict[int, int] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        index = trainer.current_epoch * 10_000 + batch_idx
+        self.global_steps[index] = trainer.global_step
+        self.counter.batch = index
+
+
+class BatchEnd(Callback):
+    """Last in the callback list: stops counting; records the active pins of the batch."""
+
+    def __init__(self, counter: SyncCounter, pin_callback: PinCallback | None = None) -> None:
+        self.counter, self.pin_callback = counter, pin_callback
+        self.active: dict[int, frozenset[int]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.pin_callback is not None:
+            self.active[self.counter.batch] = self.pin_callback.engine.active
+        self.counter.batch = None
+
+
+def _toggling(batch, batch_idx) -> bool:
+    # Decided from the batch index (host data): a `when` that reads device tensors is itself a sync.
+    return batch_idx % 4 < 2
+
+
+def _pins():
+    return [
+        # A step window on weights that a toggling `when` pin overlaps: their targets merge.
+        Pin("encoder.weight", fraction=0.5, seed=1, start_step=2, stop_step=12),
+        Pin("encoder.weight", fraction=0.3, seed=2, when=_toggling),  # re-captured at every activation
+        Pin("head.weight", fraction=0.4, seed=3, value=0.0),  # explicit values, always
+        Pin("head.bias", when=lambda batch, batch_idx: batch_idx % 3 == 0),  # a whole tensor, toggling
+        Pin("encoder.bias", start_step=4, stop_step=9),  # a whole tensor in a window
+    ]
+
+
+OPTIMIZERS = {
+    "adamw-forloop": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=False),
+    "adam-foreach": lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=True),
+    "sgd_momentum-foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+}
+
+
+def _count(optimizer, pins: bool, monitor: bool, tmp_path) -> tuple[SyncCounter, BatchStart, BatchEnd]:
+    torch.manual_seed(0)
+    model = TinyNet(OPTIMIZERS[optimizer])
+    counter = SyncCounter()
+    callback = PinCallback(_pins(), verbose=False, monitor=monitor) if pins else None
+    start, end = BatchStart(counter, callback), BatchEnd(counter, callback)
+    callbacks = [start, *([callback] if callback else []), end]
+    kwargs = dict(default_root_dir=tmp_path, log_every_n_steps=5)
+    if monitor:
+        from lightning.pytorch.loggers import CSVLogger
+
+        kwargs["logger"] = CSVLogger(tmp_path)
+    t = trainer(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.1, callbacks=callbacks, **kwargs)
+    with counter:
+        t.fit(model, make_loader(n=96, batch_size=4))
+    return counter, start, end
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("monitor", [False, True], ids=["no_monitor", "default_monitor"])
+def test_pinning_adds_no_sync_in_steady_state_steps(optimizer, monitor, tmp_path):
+    plain, plain_start, _ = _count(optimizer, pins=False, monitor=False, tmp_path=tmp_path / "plain")
+    pinned, start, end = _count(optimizer, pins=True, monitor=monitor, tmp_path=tmp_path / "pinned")
+    assert plain_start.global_steps == start.global_steps and len(start.global_steps) == 48
+    seen: set[frozenset[int]] = set()
+    counted, toggles, previous = 0, 0, None
+    for batch, step in start.global_steps.items():
+        active = end.active[batch]
+        new_combination = active not in seen
+        seen.add(active)
+        logging_step = monitor and (step + 1) % 5 == 0
+        if previous is not None and active != previous and not new_combination:
+            toggles += 1
+        previous = active
+        if new_combination or logging_step:
+            continue
+        added = pinned.counts[batch] - plain.counts[batch]
+        assert not added, f"batch {batch} (step {step}, active pins {sorted(active)}) adds syncs: {dict(added)}"
+        counted += 1
+    # The comparison covered most batches, including ones where pins started, stopped and toggled.
+    assert counted >= 30 and toggles >= 10, (counted, toggles)
+
+
+def test_the_counter_sees_the_syncs_it_looks_for():
+    counter = SyncCounter()
+    x = torch.tensor([0.0, 1.0, 2.0])
+    with counter:
+        counter.batch = 0
+        x.sum().item()
+        bool(x.any())
+        x.nonzero()
+        x[x > 0]
+        torch.unique_consecutive(x)
+        x[torch.tensor([0, 2])]  # integer indexing: no sync
+        x.index_fill_(0, torch.tensor([1]), 0.0)  # no sync
+        counter.batch = None
+        x.sum().item()  # not counted
+    assert dict(counter.counts[0]) == {
+        "aten._local_scalar_dense.default": 2,
+        "aten.nonzero.default": 1,
+        "aten.index.Tensor": 1,
+        "aten.unique_consecutive.default": 1,
+    }
