@@ -1049,8 +1049,3 @@ class _Layout:
         for index, entry_values in zip(self.indices[first + 1 :], values[first + 1 :]):
             copy_at(flat, index, entry_values)
         return None, full
-
-
-def _merge_entries(entries: Sequence[tuple[Tensor | None, Tensor]]) -> tuple[Tensor | None, Tensor]:
-    """Merge ``(index, values)`` entries, later ones winning; ``index=None`` means the whole tensor."""
-    return _Layout.of([index for index, _ in entries]).apply([values for _, values in entries])
