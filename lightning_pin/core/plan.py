@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
-from lightning_pin.core.spec import Pin, check_mask, check_value, coordinates, when_path
+from lightning_pin.core.spec import Pin, check_mask, check_value, coordinates, number_leaves, when_path
 
 
 @dataclasses.dataclass
@@ -552,7 +552,7 @@ def _value_tensor(pin: Pin, selection: Selection, raw: Any, warn: Callable[[str]
 
 def _numbers_tensor(pin: Pin, name: str, raw: Any, warn: Callable[[str], Any]) -> Tensor:
     """Python numbers as a tensor without losing digits: int64 if all are ints, else float64."""
-    leaves = list(_leaves(raw))
+    leaves = list(number_leaves(raw))
     try:
         if all(_is_int(x) for x in leaves) and all(-(2**63) <= x < 2**63 for x in leaves):
             return torch.tensor(raw, dtype=torch.int64)
@@ -567,14 +567,6 @@ def _numbers_tensor(pin: Pin, name: str, raw: Any, warn: Callable[[str], Any]) -
         raise PinError(f"{pin!r}: value for {name!r} holds numbers that overflow every float dtype: {err}") from err
     except (TypeError, ValueError, RuntimeError) as err:
         raise PinError(f"{pin!r}: value for {name!r} is not a number or a numeric sequence: {err}") from err
-
-
-def _leaves(raw: Any) -> Iterable[Any]:
-    if isinstance(raw, Sequence) and not isinstance(raw, (str, bytes)):
-        for item in raw:
-            yield from _leaves(item)
-    else:
-        yield raw
 
 
 def check_targets_fit(plan: PinPlan, dtype: torch.dtype) -> None:

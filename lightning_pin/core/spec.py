@@ -380,7 +380,7 @@ def check_value(pin: Pin, raw: Any, where: str = "") -> None:
     if isinstance(raw, numbers.Number):
         leaves: list[Any] = [raw]
     elif isinstance(raw, Sequence) and not isinstance(raw, bytes):
-        leaves = list(_leaves(raw))
+        leaves = list(number_leaves(raw))
     else:
         raise PinError(
             f"{pin!r}: value{where} must be None, a number, a sequence, a tensor, a dict by parameter name or a "
@@ -397,10 +397,11 @@ def check_value(pin: Pin, raw: Any, where: str = "") -> None:
         raise PinError(f"{pin!r}: value{where} holds non-finite numbers {bad}; pin finite values")
 
 
-def _leaves(raw: Any) -> Iterable[Any]:
+def number_leaves(raw: Any) -> Iterable[Any]:
+    """The numbers of a nested sequence, depth first."""
     if isinstance(raw, Sequence) and not isinstance(raw, (str, bytes)):
         for item in raw:
-            yield from _leaves(item)
+            yield from number_leaves(item)
     else:
         yield raw
 
