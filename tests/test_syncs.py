@@ -205,3 +205,56 @@ def test_the_counter_sees_the_syncs_it_looks_for():
         "aten.index.Tensor": 1,
         "aten.unique_consecutive.default": 1,
     }
+
+
+def test_toggling_when_pin_merges_recaptured_targets_without_a_sync():
+    """Unit level: a `when` pin (value=None) overlapping a step-window pin (value=None) and an
+    explicit one, toggled again and again while training moves the weights. Its targets are
+    re-captured at every activation and merged with the others: right values, no sync."""
+    from torch import nn
+
+    from lightning_pin.core.engine import PinEngine
+    from lightning_pin.core.plan import resolve
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(10, 10, generator=torch.Generator().manual_seed(0)))
+
+    g = torch.Generator().manual_seed(1)
+    a, b, c = (torch.randperm(100, generator=g)[:n] for n in (40, 30, 10))
+    coords = lambda flat: [divmod(int(i), 10) for i in flat]  # noqa: E731
+    explicit = torch.arange(10, dtype=torch.float32) + 100
+    net = Net()
+    pins = [
+        Pin("w", indices=coords(a)),  # a window from step 0, captured at activation
+        Pin("w", indices=coords(b), when=_toggling),  # re-captured at every activation
+        Pin("w", indices=coords(c), value=explicit.tolist()),  # explicit beats captured
+    ]
+    engine = PinEngine(resolve(pins, net))
+    flat = net.w.detach().view(-1)
+    captured_a = captured_b = None
+    counter = SyncCounter()
+    for step in range(12):
+        when_on = step % 3 != 2
+        if step == 0:
+            captured_a = flat[a].clone()
+        if when_on and (step == 0 or step % 3 == 0):  # the `when` pin (re)activates here
+            captured_b = flat[b].clone()
+        with counter:
+            counter.batch = step
+            engine.set_active(engine.ids_at(step, {1} if when_on else ()))
+            with torch.no_grad():
+                net.w.add_(torch.randn(10, 10, generator=g))  # an optimizer step, pins included
+            engine.restore()
+            counter.batch = None
+        want = {}
+        for index, values in ((a, captured_a), (b, captured_b if when_on else None), (c, explicit)):
+            if values is not None:
+                want.update(zip(index.tolist(), values.tolist()))
+        positions = torch.tensor(sorted(want))
+        assert torch.equal(flat[positions], torch.tensor([want[i] for i in sorted(want)])), step
+        if step >= 3:  # every combination of active pins has occurred
+            assert not counter.counts[step], (step, dict(counter.counts[step]))
+    # Without the cached layout the first toggles do sync: the test sees what it looks for.
+    assert counter.counts[0]["aten.unique_consecutive.default"] == 1
