@@ -747,3 +747,21 @@ def test_fabric():
     handle.verify(model)
     free = _free_mask("head.weight", 48, pinned)
     assert bool((inner.head.weight.detach().reshape(-1)[free] != init["head.weight"].reshape(-1)[free]).all())
+
+
+def test_released_elements_start_fresh_even_with_coupled_weight_decay():
+    # Adam's coupled L2 decay adds wd * value to the masked gradient inside the step, so the moments
+    # of pinned elements grow while the pin holds; the release zeroes them.
+    model = TinyNet()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
+    index = torch.tensor([0, 18])
+    handle = pin(model, optimizer, Pin("head.weight", indices=[(0, 0), (1, 2)], value=0.5, stop_step=3))
+    for step, batch in enumerate(batches(3)):
+        ce_loss(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        state = optimizer.state[model.head.weight]
+        moments = torch.stack([state[k].reshape(-1)[index] for k in ("exp_avg", "exp_avg_sq")])
+        if step < 2:
+            assert bool((moments[0] != 0).all())  # the decay fed them while pinned
+    assert handle.step == 3 and torch.equal(moments, torch.zeros(2, 2))  # released after step 2

@@ -774,11 +774,14 @@ class PinEngine:
                 fill_at(view, positions, 0)
 
     def _release_statistics(self, stopped: Iterable[int]) -> None:
-        """Unpark when a step-window pin stops: its elements go on from zero statistics, as before
-        parking existed. Pins still active are parked again after the next step."""
-        if any(self.plan.pins[i].when is None for i in stopped):
+        """When a step-window pin stops, its elements go on from fresh (zero) statistics: unpark,
+        and zero what coupled L2 decay fed into the moments while the gradient was masked. Pins
+        still active are parked again after the next step."""
+        window_pins = [i for i in stopped if self.plan.pins[i].when is None]
+        if window_pins:
             for optimizer in self._optimizers:
                 self._unpark(optimizer)
+                self.reset_optimizer_state(optimizer, window_pins)
 
     def _unpark_before_saving(self, optimizer: Optimizer) -> None:
         # An optimizer state_dict pre-hook: checkpoints hold the statistics parking replaced.
