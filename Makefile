@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench bench-quick clean
+.PHONY: install demo test clean
 
 install: $(STAMP)
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,app]"
+	$(PY) -m pip install -q -e ".[dev,app,export]"
 	touch $(STAMP)
 
 # The Hydra app with its defaults: pretrain a small CNN on digits, stick 5% of its conv weights
@@ -28,4 +28,4 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) lightning_logs outputs multirun .pytest_cache .hypothesis
+	rm -rf $(VENV) lightning_logs outputs multirun .pytest_cache .hypothesis build dist lightning_pin.egg-info

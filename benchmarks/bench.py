@@ -249,7 +249,8 @@ class DenseMaskPins(L.Callback):
 
 
 class ResetEveryN(L.Callback):
-    """The seeds' naive approach: write the targets back every ``every`` batches, nothing else."""
+    """The naive approach a user of ONNX Runtime training tried: write the targets back every
+    ``every`` batches (they used 100), nothing else."""
 
     def __init__(self, model: MLP, fraction: float, every: int) -> None:
         self.every = every

@@ -1,10 +1,11 @@
-"""Force single weights to chosen values and keep them there (the ONNX Runtime user in the seeds).
+"""Force single weights to chosen values and keep them there.
 
-The user set conv weights to 25, 5 and 125 and re-set them every 100 batches, yet saw them drift:
-the optimizer moves them between resets. They also saw 2.58e8 never move (float32 spacing at
-that size is 16, so small updates vanish) while 2.58e-8 jumped by about the learning rate each
-step (Adam normalises its step size). Here each value is written once, before training, then
-trained with Adam: without PinCallback, and with it.
+A user of ONNX Runtime training forced single conv weights to 25, 5 and 125, re-setting them
+every 100 batches, and found that the optimizer moved them between resets: the retrained model
+did not hold the values. They also saw 2.58e8 never move (float32 spacing at that size is 16, so
+small updates vanish) while 2.58e-8 jumped by about the learning rate each step (Adam normalises
+its step size). Here each value is written once, before training, then trained with Adam:
+without PinCallback, and with it.
 
     python examples/force_elements.py
 """

@@ -1,10 +1,11 @@
-"""Head-only fine-tuning where the pooler sits outside the encoder (the BERT user in the seeds).
+"""Head-only fine-tuning where the pooler sits outside the encoder.
 
-The user froze `model.encoder` and still saw the pretrained part change: BERT's pooler lives
-outside the encoder, and the object being trained was a wrapper around the model they froze.
-PinCallback resolves names on the module actually trained (``trainer.lightning_module``), says
-which names exist when a pattern matches none, and prints what it pins at fit start. Listing the
-parameters that changed after training, the maintainer's advice, shows what really trained.
+A BERT fine-tuning user froze `model.encoder` for head-only training and still saw the pretrained
+part change: BERT's pooler lives outside the encoder, and the object being trained was a
+different wrapper from the one they froze. PinCallback resolves names on the module actually
+trained (``trainer.lightning_module``), says which names exist when a pattern matches none, and
+prints what it pins at fit start. Listing the parameters that changed after training (what the
+maintainers advised that user to do) shows what really trained.
 
     python examples/head_only_finetune.py
 """

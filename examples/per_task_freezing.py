@@ -1,10 +1,11 @@
-"""Per-task freezing with Adam (the tutorial in the seeds).
+"""Per-task freezing with Adam.
 
-Batches alternate between two tasks. Both task layers take part in every forward, and each
-task's batches must leave the other task's layer alone. The tutorial's first try zeroes the
-frozen layer's gradients (or sets requires_grad=False with zeroed grads): with SGD that works,
-with Adam it does not, because Adam keeps stepping with its stored moments. Its fix is to set
-grad = None so Adam skips the layer, state included. PinCallback does that for `when` pins.
+A tutorial on per-task freezing shows that with Adam, requires_grad=False does not stop a layer
+from moving. Batches alternate between two tasks, both task layers take part in every forward,
+and each task's batches must leave the other task's layer alone. The tutorial's first try zeroes
+the frozen layer's gradients (or sets requires_grad=False with zeroed grads): with SGD that
+works, with Adam it does not, because Adam keeps stepping with its stored moments. Its fix is to
+set grad = None so Adam skips the layer, state included. PinCallback does that for `when` pins.
 
     python examples/per_task_freezing.py
 """

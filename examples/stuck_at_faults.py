@@ -1,11 +1,12 @@
 """Stuck-at faults: 5% of a CNN's conv weights are stuck at random values; can training recover?
 
-The ONNX Runtime user's story in the seeds, and the default job of the Hydra app
-(`python -m lightning_pin.train`) written out in Python: pretrain a small CNN on scikit-learn's
-digits (no download), stick 5% of its conv weights at random values in [-1, 1] (the same cells
-and values on every run), and retrain the rest of the network around them. PinMonitor measures
-the accuracy before the faults (baseline), right after forcing them (forced) and after
-retraining (final).
+A user of ONNX Runtime training wanted 20% of some layers' weights and 5% of others forced to
+chosen values while retraining kept the model's accuracy. This is that job, and the default job
+of the Hydra app (`python -m lightning_pin.train`), written out in Python: pretrain a small CNN on
+scikit-learn's digits (no download), stick 5% of its conv weights at random values in [-2, 2)
+(the same cells and values on every run), and retrain the rest of the network around them.
+PinMonitor measures the accuracy before the faults (baseline), right after forcing them (forced)
+and after retraining (final).
 
     python examples/stuck_at_faults.py
 """

@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from lightning_pin.core.errors import AccuracyGapError, PinError
+from lightning_pin.core.handle import PinHandle, pin
 from lightning_pin.core.spec import Pin
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 
 _LIGHTNING_LAYER = {"PinCallback": "lightning_pin.callbacks", "PinMonitor": "lightning_pin.callbacks"}
 
-__all__ = ["AccuracyGapError", "Pin", "PinCallback", "PinError", "PinMonitor"]
+__all__ = ["AccuracyGapError", "Pin", "PinCallback", "PinError", "PinHandle", "PinMonitor", "pin"]
 
 
 def __getattr__(name: str) -> Any:

@@ -4,7 +4,10 @@
     lightning-pin report RUN_DIR        # pin_report.json / .png from RUN_DIR/metrics.csv, and a table
     lightning-pin diff A.ckpt B.ckpt    # what changed between two checkpoints; do saved pins hold in B?
 
-``diff`` exits with status 1 when a saved pin is off target in B, so scripts and CI can gate on it.
+Exit status: 1 when a pin is off target (``diff``: a saved pin does not hold in B), so scripts and
+CI can gate on it; 2 with one line naming the file (and row) when an input is missing, empty or
+unreadable, when ``report`` would replace a report holding more data, or when ``diff`` is given two
+checkpoints that share no tensor.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--lower-is-better", action="store_true", default=None, help="the metric is an error (MSE, ...), not a score"
     )
     report.add_argument("--no-plot", action="store_true", help="skip pin_report.png")
+    report.add_argument(
+        "--force", action="store_true", help="replace an existing pin_report.json even if it holds more data"
+    )
 
     diff = commands.add_parser(
         "diff",
@@ -55,6 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("b", help="the later checkpoint")
     diff.add_argument("--changed-only", action="store_true", help="list only the tensors that changed")
     diff.add_argument("--json", action="store_true", help="print the comparison as JSON instead of tables")
+
+    check = commands.add_parser(
+        "check",
+        help="do the pins a checkpoint saved hold, bit for bit, in exported models (ONNX, safetensors, state dicts)?",
+        description="Compare every pinned element of each exported model with the target the pinned file saved. "
+        "Exit status 0: every pin holds bit for bit; 1: a pinned element is off target or a pinned parameter is "
+        "missing (an exporter folded or renamed it?); 2: the check could not run. ONNX needs "
+        "pip install 'lightning-pin[export]'.",
+    )
+    check.add_argument(
+        "pinned", help="a checkpoint saved by a fit with PinCallback, or a file holding PinHandle.state_dict()"
+    )
+    check.add_argument(
+        "artifacts", nargs="+", metavar="artifact", help="exported models: .onnx, .safetensors, .pt / .pth / .ckpt"
+    )
     return parser
 
 
@@ -65,6 +86,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "report":
         return _report(args)
+    if args.command == "check":
+        return _check(args)
     return _diff(args)
 
 
@@ -78,28 +101,73 @@ def _train(overrides: Sequence[str]) -> int:
     return 0
 
 
+#: Exit status for bad input (missing, empty or unreadable files; data that would be lost).
+BAD_INPUT = 2
+
+
+def _fail(command: str, message: str) -> int:
+    """One line on stderr, argparse style, and the bad-input status (never 1: that is "off target")."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) > 2:
+        # Readers' own messages can run over many lines (torch's unpickler): keep the first
+        # (what failed, on which file) and the last (what it must hold).
+        lines = [lines[0], "...", lines[-1]]
+    print(f"lightning-pin {command}: error: {' '.join(lines)}", file=sys.stderr)
+    return BAD_INPUT
+
+
 def _report(args: argparse.Namespace) -> int:
     from lightning_pin.reporting import report as reporting
 
-    csv_path = reporting.find_metrics_csv(args.run_dir)
-    higher_is_better = None if args.lower_is_better is None else not args.lower_is_better
-    report = reporting.report_from_csv(
-        csv_path, metric=args.metric, tolerance=args.tolerance, higher_is_better=higher_is_better
-    )
-    paths = reporting.write_report(report, args.out or csv_path.parent, plot=not args.no_plot)
+    try:
+        csv_path = reporting.find_metrics_csv(args.run_dir)
+        higher_is_better = None if args.lower_is_better is None else not args.lower_is_better
+        report = reporting.report_from_csv(
+            csv_path, metric=args.metric, tolerance=args.tolerance, higher_is_better=higher_is_better
+        )
+        out = args.out or csv_path.parent
+        if not args.force:
+            reporting.refuse_less_data(report, out)
+    except (reporting.ReportError, OSError) as err:
+        return _fail("report", str(err))
+    paths = reporting.write_report(report, out, plot=not args.no_plot)
     reporting.print_report(report, note=f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
 
 def _diff(args: argparse.Namespace) -> int:
+    from lightning_pin.core.io import TensorFileError, load_checkpoint
+    from lightning_pin.core.state import CorruptPinState
     from lightning_pin.reporting import diff as ckpt_diff
 
-    result = ckpt_diff.diff_checkpoints(ckpt_diff.load_checkpoint(args.a), ckpt_diff.load_checkpoint(args.b))
+    try:
+        a, b = load_checkpoint(args.a), load_checkpoint(args.b)
+        result = ckpt_diff.diff_checkpoints(a, b, names=(args.a, args.b))
+    except (TensorFileError, CorruptPinState, OSError) as err:
+        return _fail("diff", str(err))
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         ckpt_diff.print_diff(result, args.a, args.b, changed_only=args.changed_only)
+    unrelated = result.unrelated()
+    if unrelated is not None:
+        # "0 elements changed" between unrelated files would read as "nothing moved".
+        return _fail("diff", f"{args.a} and {args.b} cannot be compared: {unrelated}")
     return 0 if result.pins_hold else 1
+
+
+def _check(args: argparse.Namespace) -> int:
+    from lightning_pin.core.errors import PinError
+    from lightning_pin.reporting import check
+
+    try:
+        result = check.check_artifacts(args.pinned, args.artifacts)
+    except PinError as err:
+        # A usage error: one line, no traceback, status 2 (as argparse's own errors).
+        print(f"lightning-pin check: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    check.print_check(result)
+    return 0 if result.holds else 1
 
 
 if __name__ == "__main__":

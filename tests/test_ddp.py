@@ -160,3 +160,4 @@ def test_verify_in_main_process_after_ddp_spawn(ddp_run):
         with torch.no_grad():
             model.encoder.weight[5, 7] = old
     cb.verify(model)
+

@@ -6,6 +6,7 @@ TinyNet parameters: encoder.weight (16, 8), encoder.bias (16,), head.weight (3, 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -74,12 +75,6 @@ CASES = [
         id="indices-out-of-range",
     ),
     pytest.param(
-        _plain(Pin("encoder.weight", indices=[(0, -1)])),
-        torch.float32,
-        ["out of range", "[[0, -1]]", "must be in [0, shape[d])"],
-        id="indices-negative",
-    ),
-    pytest.param(
         _plain(Pin("head.bias", indices=torch.tensor([1, 3]), value=0.0)),
         torch.float32,
         ["out of range", "[[3]]", "'head.bias'", "(3,)"],
@@ -110,65 +105,12 @@ CASES = [
         ["must be k rows of 2 coordinates", "(3, 16)", "got shape (1, 3)"],
         id="indices-tensor-wrong-rank",
     ),
-    pytest.param(
-        _plain(Pin("head.weight", indices=[(0, 1), (2,)])),
-        torch.float32,
-        ["rows must all have 2 entries", "'head.weight'"],
-        id="indices-ragged",
-    ),
-    # -- a mask of the wrong shape or dtype
+    # -- a mask of the wrong shape (its dtype: BUILD_CASES)
     pytest.param(
         _plain(Pin("encoder.weight", mask=torch.ones(8, 16, dtype=torch.bool))),
         torch.float32,
         ["mask for 'encoder.weight' has shape (8, 16)", "the parameter's shape is (16, 8)"],
         id="mask-shape",
-    ),
-    pytest.param(
-        _plain(Pin("encoder.weight", mask=torch.ones(16, 8))),
-        torch.float32,
-        ["has dtype torch.float32", "must be torch.bool"],
-        id="mask-dtype-float",
-    ),
-    pytest.param(
-        _plain(Pin("head.bias", mask=torch.tensor([1, 0, 1], dtype=torch.uint8))),
-        torch.float32,
-        ["has dtype torch.uint8", "must be torch.bool"],
-        id="mask-dtype-uint8",
-    ),
-    # -- fraction outside (0, 1]
-    *[
-        pytest.param(
-            _plain(Pin("encoder.weight", fraction=f)),
-            torch.float32,
-            ["fraction must be a number in (0, 1]", f"got {f!r}"],
-            id=f"fraction-{f!r}",
-        )
-        for f in (0, 0.0, 1.5, -0.1, True, float("nan"))
-    ],
-    # -- a value that is NaN or infinite
-    pytest.param(
-        _plain(Pin("head.bias", value=float("nan"))),
-        torch.float32,
-        ["'head.bias'", "non-finite", "nan", "pin finite values"],
-        id="value-nan",
-    ),
-    pytest.param(
-        _plain(Pin("head.weight", indices=[(0, 0), (1, 1)], value=[1.0, float("nan")])),
-        torch.float32,
-        ["'head.weight'", "non-finite numbers [nan]", "pin finite values"],
-        id="value-nan-in-sequence",
-    ),
-    pytest.param(
-        _plain(Pin("head.bias", value=float("inf"))),
-        torch.float32,
-        ["non-finite", "inf", "pin finite values"],
-        id="value-inf",
-    ),
-    pytest.param(
-        _plain(Pin("head.bias", value=torch.tensor([1.0, float("-inf"), 2.0]))),
-        torch.float32,
-        ["non-finite numbers [-inf]", "pin finite values"],
-        id="value-neg-inf-tensor",
     ),
     # -- a value that overflows the parameter's dtype
     pytest.param(
@@ -329,13 +271,7 @@ CASES = [
         ["cannot read value file", "garbage.pt"],
         id="file-unreadable",
     ),
-    # -- a `when` that is not callable
-    pytest.param(
-        _plain(Pin("head.bias", when=5)),
-        torch.float32,
-        ["when must be callable(batch, batch_idx) -> bool or its import path", "got 5"],
-        id="when-int",
-    ),
+    # -- a `when` whose import path leads nowhere or to something not callable
     pytest.param(
         _plain(Pin("head.bias", when="no_such_module_xyz.every_other")),
         torch.float32,
@@ -349,85 +285,215 @@ CASES = [
         id="when-bad-attribute",
     ),
     pytest.param(
-        _plain(Pin("head.bias", when="every_other")),
-        torch.float32,
-        ["is not an import path", "package.module.function"],
-        id="when-not-a-path",
-    ),
-    pytest.param(
         _plain(Pin("head.bias", when="os.sep")),
         torch.float32,
         ["when must be callable", "got 'os.sep'"],
         id="when-path-to-non-callable",
     ),
+    # -- a value generator (the app's UniformValues) that was never turned into numbers
+    pytest.param(
+        _plain(Pin("head.bias", value=lambda name, parameter: parameter)),
+        torch.float32,
+        ["value for 'head.bias' is a generator (function) that was never turned into numbers", "realize"],
+        id="value-generator-not-realized",
+    ),
+    # -- a `when` that cannot be called as when(batch, batch_idx)
+    pytest.param(
+        _plain(Pin("head.bias", when=lambda batch: True)),
+        torch.float32,
+        ["when=<lambda> has the signature (batch)", "when(batch, batch_idx)", "two arguments (batch, batch_idx)"],
+        id="when-one-argument",
+    ),
+    pytest.param(
+        _plain(Pin("head.bias", when="os.getcwd")),
+        torch.float32,
+        ["when='os.getcwd' has the signature ()", "when(batch, batch_idx)"],
+        id="when-path-to-no-argument-function",
+    ),
+    # -- a mask or value file holding what no mask or value may be (checked like in-memory ones)
+    pytest.param(
+        _files(lambda tmp: [Pin("head.bias", value=_write(tmp / "nan.pt", torch.tensor([0.0, float("nan"), 1.0])))]),
+        torch.float32,
+        ["value for 'head.bias' holds non-finite numbers [nan]", "pin finite values"],
+        id="file-value-nan",
+    ),
+    pytest.param(
+        _files(lambda tmp: [Pin("head.bias", value=_write(tmp / "flags.pt", torch.ones(3, dtype=torch.bool)))]),
+        torch.float32,
+        ["value for 'head.bias' must be numeric, got a bool"],
+        id="file-value-bool",
+    ),
+    pytest.param(
+        _files(lambda tmp: [Pin("head.bias", mask=_write(tmp / "m.safetensors", {"head.bias": torch.ones(3)}))]),
+        torch.float32,
+        ["mask for 'head.bias' has dtype torch.float32", "must be torch.bool"],
+        id="file-mask-dtype",
+    ),
+    pytest.param(
+        _files(lambda tmp: [Pin("head.bias", mask=_write(tmp / "m.pt", torch.zeros(3, dtype=torch.bool)))]),
+        torch.float32,
+        ["mask for 'head.bias' selects no element", "select at least one or drop the pin"],
+        id="file-mask-all-false",
+    ),
+    pytest.param(
+        _plain(Pin("head.*", mask={"head.bias": torch.zeros(3, dtype=torch.bool), "head.weight": torch.eye(3, 16, dtype=torch.bool)})),
+        torch.float32,
+        ["mask for 'head.bias' selects no element"],
+        id="mask-dict-entry-all-false",
+    ),
+]
+
+# Mistakes that need no model: Pin(...) itself raises, as Lightning's callbacks do in __init__.
+# (keyword arguments of Pin, phrases the message must contain), by id. The message must also
+# contain the repr of the offending spec.
+BUILD_CASES = [
+    # -- params
+    pytest.param(dict(params=[]), ["params must be a non-empty string or list of strings"], id="params-empty"),
+    pytest.param(dict(params=5), ["params must be a non-empty string or list of strings", "got 5"], id="params-int"),
+    pytest.param(dict(params=""), ["params must be a non-empty string"], id="params-empty-string"),
+    pytest.param(dict(params=["head.bias", None]), ["params must be a non-empty string or list of strings"],
+                 id="params-list-with-none"),
+    pytest.param(dict(params="re:head.(bias"), ["'re:head.(bias' is not a valid regular expression"],
+                 id="params-bad-regex"),
+    # -- indices: not integers, ragged, negative, empty
+    pytest.param(
+        dict(params="encoder.weight", indices=[(0, -1)]),
+        ["out of range", "[[0, -1]]", "must be in [0, shape[d])"],
+        id="indices-negative",
+    ),
+    pytest.param(
+        dict(params="head.bias", indices=torch.tensor([1, -3])),
+        ["out of range", "[[-3]]", "must be in [0, shape[d])"],
+        id="indices-tensor-negative",
+    ),
+    pytest.param(
+        dict(params="head.weight", indices=[(0, 1), (2,)]),
+        ["rows must all have the same number of coordinates", "got rows of lengths 1, 2"],
+        id="indices-ragged",
+    ),
+    pytest.param(dict(params="head.weight", indices=[(0, 1.5)]), ["indices must hold integers"],
+                 id="indices-float"),
+    pytest.param(dict(params="head.weight", indices=torch.tensor([[0.0, 1.0]])),
+                 ["indices must hold integers, got dtype torch.float32"], id="indices-float-tensor"),
+    pytest.param(dict(params="head.bias", indices=torch.tensor([True, False, True])),
+                 ["indices is a bool tensor; pass it as mask= instead"], id="indices-bool-tensor"),
+    pytest.param(dict(params="head.bias", indices="0"), ["indices must be a list of tuples or an integer tensor"],
+                 id="indices-string"),
+    pytest.param(
+        dict(params="encoder.weight", indices=[]),
+        ["indices select no element", "select at least one or drop the pin"],
+        id="indices-empty",
+    ),
+    # -- a mask of the wrong dtype, or that selects nothing
+    pytest.param(
+        dict(params="encoder.weight", mask=torch.ones(16, 8)),
+        ["has dtype torch.float32", "must be torch.bool"],
+        id="mask-dtype-float",
+    ),
+    pytest.param(
+        dict(params="head.bias", mask=torch.tensor([1, 0, 1], dtype=torch.uint8)),
+        ["has dtype torch.uint8", "must be torch.bool"],
+        id="mask-dtype-uint8",
+    ),
+    pytest.param(dict(params="head.bias", mask=[True, False, True]), ["mask must be a bool tensor", "got list"],
+                 id="mask-list"),
+    pytest.param(
+        dict(params="head.bias", mask=torch.zeros(3, dtype=torch.bool), value=1.0),
+        ["mask selects no element", "select at least one or drop the pin"],
+        id="mask-all-false",
+    ),
     # -- more than one of indices / mask / fraction
     pytest.param(
-        _plain(Pin("head.bias", indices=[0], mask=torch.ones(3, dtype=torch.bool))),
-        torch.float32,
+        dict(params="head.bias", indices=[0], mask=torch.ones(3, dtype=torch.bool)),
         ["give at most one of indices / mask / fraction", "got indices and mask"],
         id="indices-and-mask",
     ),
     pytest.param(
-        _plain(Pin("head.bias", mask=torch.ones(3, dtype=torch.bool), fraction=0.5)),
-        torch.float32,
+        dict(params="head.bias", mask=torch.ones(3, dtype=torch.bool), fraction=0.5),
         ["give at most one of indices / mask / fraction", "got mask and fraction"],
         id="mask-and-fraction",
     ),
     pytest.param(
-        _plain(Pin("head.bias", indices=[0], mask=torch.ones(3, dtype=torch.bool), fraction=0.5)),
-        torch.float32,
+        dict(params="head.bias", indices=[0], mask=torch.ones(3, dtype=torch.bool), fraction=0.5),
         ["give at most one of indices / mask / fraction", "got indices and mask and fraction"],
         id="all-three",
     ),
+    # -- fraction outside (0, 1]
+    *[
+        pytest.param(
+            dict(params="encoder.weight", fraction=f),
+            ["fraction must be a number in (0, 1]", f"got {f!r}"],
+            id=f"fraction-{f!r}",
+        )
+        for f in (0, 0.0, 1.5, -0.1, True, float("nan"), float("inf"), "0.5")
+    ],
+    pytest.param(dict(params="head.bias", fraction=0.5, seed=1.5), ["seed must be an integer, got 1.5"],
+                 id="seed-float"),
     # -- step windows
     pytest.param(
-        _plain(Pin("head.bias", start_step=3, stop_step=3)),
-        torch.float32,
+        dict(params="head.bias", start_step=3, stop_step=3),
         ["stop_step must be None or an integer > start_step (3)", "got 3"],
         id="stop-equals-start",
     ),
     pytest.param(
-        _plain(Pin("head.bias", start_step=5, stop_step=2)),
-        torch.float32,
+        dict(params="head.bias", start_step=5, stop_step=2),
         ["stop_step must be None or an integer > start_step (5)", "got 2"],
         id="stop-before-start",
     ),
     pytest.param(
-        _plain(Pin("head.bias", stop_step=0)),
-        torch.float32,
+        dict(params="head.bias", stop_step=0),
         ["stop_step must be None or an integer > start_step (0)", "got 0"],
         id="stop-zero",
     ),
+    pytest.param(dict(params="head.bias", start_step=-1), ["start_step must be an integer >= 0", "got -1"],
+                 id="start-negative"),
+    pytest.param(dict(params="head.bias", start_step=1.0), ["start_step must be an integer >= 0", "got 1.0"],
+                 id="start-float"),
+    pytest.param(dict(params="head.bias", stop_step="10"), ["stop_step must be None or an integer", "got '10'"],
+                 id="stop-string"),
+    # -- a value that is NaN or infinite, a bool, complex, or no number at all
     pytest.param(
-        _plain(Pin("head.bias", start_step=-1)),
-        torch.float32,
-        ["start_step must be an integer >= 0", "got -1"],
-        id="start-negative",
-    ),
-    # -- other malformed specs
-    pytest.param(
-        _plain(Pin("encoder.weight", indices=[])),
-        torch.float32,
-        ["selects no element of 'encoder.weight'", "select at least one or drop the pin"],
-        id="indices-empty",
-    ),
-    pytest.param(
-        _plain(Pin("head.bias", mask=torch.zeros(3, dtype=torch.bool), value=1.0)),
-        torch.float32,
-        ["selects no element of 'head.bias'"],
-        id="mask-all-false",
+        dict(params="head.bias", value=float("nan")),
+        ["non-finite", "nan", "pin finite values"],
+        id="value-nan",
     ),
     pytest.param(
-        _plain(Pin("head.bias", value=True)),
-        torch.float32,
-        ["value must be numeric"],
-        id="value-bool",
+        dict(params="head.weight", indices=[(0, 0), (1, 1)], value=[1.0, float("nan")]),
+        ["non-finite numbers [nan]", "pin finite values"],
+        id="value-nan-in-sequence",
+    ),
+    pytest.param(dict(params="head.bias", value=float("inf")), ["non-finite", "inf", "pin finite values"],
+                 id="value-inf"),
+    pytest.param(
+        dict(params="head.bias", value=torch.tensor([1.0, float("-inf"), 2.0])),
+        ["non-finite numbers [-inf]", "pin finite values"],
+        id="value-neg-inf-tensor",
     ),
     pytest.param(
-        _plain(Pin([])),
-        torch.float32,
-        ["params must be a non-empty string or list of strings"],
-        id="params-empty",
+        dict(params="head.*", value={"head.bias": 0.0, "head.weight": float("nan")}),
+        ["value for 'head.weight' holds non-finite numbers [nan]"],
+        id="value-nan-in-dict",
+    ),
+    pytest.param(dict(params="head.bias", value=True), ["value must be numeric, got a bool"], id="value-bool"),
+    pytest.param(dict(params="head.bias", value=[1.0, True, 0.0]), ["value holds bools"], id="value-bools-in-list"),
+    pytest.param(dict(params="head.bias", value=1 + 2j), ["not a number or a numeric sequence", "complex"],
+                 id="value-complex"),
+    pytest.param(dict(params="head.bias", value=torch.zeros(3, dtype=torch.complex64)),
+                 ["complex values are not supported"], id="value-complex-tensor"),
+    pytest.param(dict(params="head.bias", value=["1.0", "2.0", "3.0"]),
+                 ["not a number or a numeric sequence", "str '1.0'"], id="value-strings-in-list"),
+    pytest.param(dict(params="head.bias", value=object()), ["value must be None, a number", "got object"],
+                 id="value-object"),
+    # -- a `when` that is neither callable nor an import path
+    pytest.param(
+        dict(params="head.bias", when=5),
+        ["when must be callable(batch, batch_idx) -> bool or its import path", "got 5"],
+        id="when-int",
+    ),
+    pytest.param(
+        dict(params="head.bias", when="every_other"),
+        ["is not an import path", "package.module.function"],
+        id="when-not-a-path",
     ),
 ]
 
@@ -490,10 +556,37 @@ def test_fit_rejects_dict_specs_too():
     # The Hydra / YAML route: dicts turned into Pins by the callback, rejected at fit.
     model = TinyNet()
     before = _snapshot(model)
-    callback = PinCallback([{"params": "encoder.bias", "value": 0.5}, {"params": "head.bias", "fraction": 1.5}])
-    with pytest.raises(PinError, match=r"fraction must be a number in \(0, 1\], got 1.5"):
+    callback = PinCallback([{"params": "encoder.bias", "value": 0.5}, {"params": "head.bias", "value": 1e39}])
+    with pytest.raises(PinError, match=r"values \[1e\+39, 1e\+39, 1e\+39\] overflow torch.float32 of 'head.bias'"):
         trainer(max_steps=3, callbacks=[callback]).fit(model, make_loader())
     _assert_unchanged(before, model)
+
+
+# ----------------------------------------------------------------------------------------------
+# Construction: Pin(...) rejects what needs no model, before any Trainer or model exists.
+
+
+def _unchecked(**kwargs) -> Pin:
+    """The Pin ``kwargs`` describe, built without its checks: only for the repr a message must show."""
+    pin = object.__new__(Pin)
+    for field in dataclasses.fields(Pin):
+        object.__setattr__(pin, field.name, kwargs.get(field.name, field.default))
+    return pin
+
+
+@pytest.mark.parametrize("kwargs, phrases", BUILD_CASES)
+def test_pin_rejects_at_construction(kwargs, phrases):
+    with pytest.raises(PinError) as info:
+        Pin(**kwargs)
+    _assert_message(info.value, [_unchecked(**kwargs)], phrases)
+
+
+@pytest.mark.parametrize("kwargs, phrases", BUILD_CASES)
+def test_callback_rejects_dict_specs_at_construction(kwargs, phrases):
+    # The Hydra / YAML route: the dict becomes a Pin inside PinCallback(...), which raises there.
+    with pytest.raises(PinError) as info:
+        PinCallback([{"params": "encoder.bias", "value": 0.5}, kwargs], verbose=False)
+    _assert_message(info.value, [_unchecked(**kwargs)], phrases)
 
 
 # ----------------------------------------------------------------------------------------------

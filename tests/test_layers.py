@@ -53,6 +53,8 @@ def _modules_after(statement: str) -> list[str]:
 def test_front_door_imports_no_lightning():
     loaded = _modules_after("from lightning_pin import pin, PinHandle, Pin, PinError")
     assert [m for m in loaded if m.split(".")[0] in LIGHTNING + ("hydra", "torchmetrics")] == []
+    # Nor torch's DTensor (seconds of import, sympy included): only sharded training needs it.
+    assert [m for m in loaded if m.startswith("torch.distributed.tensor") or m == "sympy"] == []
 
 
 def test_lightning_layer_loads_on_first_use():

@@ -52,12 +52,20 @@ def _setup(weight_decay=0.0):
     return model, engine, free, optimizer, handles
 
 
+def measured_step(engine, optimizer):
+    """One optimizer step observed by a restore hook that asks for the step's stats."""
+    seen = []
+    handle = engine.register_restore_hook(seen.append, wants_stats=lambda: True)
+    optimizer.step()
+    handle.remove()
+    assert len(seen) == 1 and seen[0] is not None
+    return seen[0]
+
+
 def test_pin_drift_and_weight_drift_of_one_sgd_step_without_masking():
     model, engine, free, optimizer, _ = _setup()
     assert torch.equal(model.a.weight.detach().view(-1)[[0, 3]], torch.tensor(PIN_VALUES))  # forced
-    engine.measure = True
-    optimizer.step()  # lr 0.5: pinned elements move by 0.125 and 0.25 before the restore
-    stats = engine.last_stats
+    stats = measured_step(engine, optimizer)  # lr 0.5: pinned elements move by 0.125 and 0.25 before the restore
     assert stats.drift_max.item() == 0.25
     assert stats.drift_sum.item() == 0.375
     assert stats.elements == 2
@@ -87,9 +95,7 @@ def test_pin_drift_and_weight_drift_of_one_sgd_step_without_masking():
 def test_masked_pins_are_pushed_only_by_weight_decay():
     model, engine, free, optimizer, _ = _setup(weight_decay=0.5)
     engine.mask_grads(optimizer)  # pinned gradients -> 0: only the coupled decay lr*wd*p moves them
-    engine.measure = True
-    optimizer.step()
-    stats = engine.last_stats
+    stats = measured_step(engine, optimizer)
     # |0.5 * 0.5 * 0.5| = 0.125 and |0.5 * 0.5 * -2.0| = 0.5
     assert stats.drift_max.item() == 0.5
     assert stats.drift_sum.item() == 0.625
@@ -99,8 +105,13 @@ def test_masked_pins_are_pushed_only_by_weight_decay():
 
 def test_nothing_is_measured_unless_asked():
     _, engine, _, optimizer, _ = _setup()
+    seen = []
+    handle = engine.register_restore_hook(seen.append)
     optimizer.step()
-    assert engine.last_stats is None
+    assert seen == [None]
+    handle.remove()
+    optimizer.step()
+    assert seen == [None]  # removed: not called again
 
 
 def test_drift_accumulates_max_and_mean_over_updates():
@@ -135,10 +146,9 @@ def test_violations_count_tampering_between_steps():
 def test_violations_count_a_restore_that_does_not_restore(monkeypatch):
     _, engine, _, optimizer, _ = _setup()
     monkeypatch.setattr(engine, "_write", lambda targets: None)  # a broken restore: writes nothing
-    engine.measure = True
-    optimizer.step()
-    assert engine.last_stats.violations.item() == 2  # both pinned elements moved and stayed off
-    assert engine.last_stats.drift_max.item() == 0.25
+    stats = measured_step(engine, optimizer)
+    assert stats.violations.item() == 2  # both pinned elements moved and stayed off
+    assert stats.drift_max.item() == 0.25
 
 
 def test_a_wholly_pinned_or_frozen_parameter_has_no_free_elements():

@@ -199,7 +199,7 @@ def test_resume_with_changed_selection_raises_and_strict_false_starts_afresh(tmp
     model = TinyNet()
     cb = PinCallback(_mask_pin(mask_path), strict=False, verbose=False)
     rec = StepRecorder()
-    with pytest.warns(UserWarning, match="ignores saved pin state"):
+    with pytest.warns(UserWarning, match="ignoring saved pin state"):
         fit(model, [cb, rec], 2, path)
     # Started afresh: the new elements keep the values they had at the resume (the checkpoint's).
     for record in rec.steps:

@@ -48,7 +48,7 @@ def test_defaults():
 
 
 def test_all_fields_kept():
-    mask = torch.zeros(3, 4, dtype=torch.bool)
+    mask = torch.eye(3, 4, dtype=torch.bool)
     pin = Pin(["a", "b"], mask=mask, seed=3, value=1.5, start_step=2, stop_step=9, when=module_when)
     assert pin.params == ["a", "b"]
     assert pin.patterns == ("a", "b")
@@ -71,9 +71,17 @@ def test_tuple_params_and_indices_preserved():
 
 
 def test_construction_does_not_validate_against_a_model():
-    # A Pin is pure data: bad combinations are only rejected by resolve() (see test_errors.py).
-    pin = Pin("nothing.matches", indices=[(0,)], fraction=0.5)
-    assert pin.fraction == 0.5
+    # What depends on a model (names, ranks, shapes) is only checked by resolve() (test_errors.py).
+    pin = Pin("nothing.matches", indices=[(0, 9, 9, 9)], value=[1e39])
+    assert pin.indices == [(0, 9, 9, 9)] and pin.value == [1e39]
+    with pytest.raises(PinError, match="'nothing.matches' matches no parameter"):
+        resolve([pin], small_module())
+
+
+def test_construction_rejects_what_needs_no_model():
+    # Bad combinations are rejected when the Pin is built (test_errors.py has every case).
+    with pytest.raises(PinError, match=r"give at most one of indices / mask / fraction, got indices and fraction"):
+        Pin("nothing.matches", indices=[(0,)], fraction=0.5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,6 +322,7 @@ def test_fingerprint_differs_when_a_field_changes(change):
 
 def test_fingerprint_differs_for_mask_contents():
     mask = torch.zeros(4, 4, dtype=torch.bool)
+    mask[0, 1] = True
     other = mask.clone()
     other[3, 3] = True
     assert Pin("w", mask=mask).fingerprint() != Pin("w", mask=other).fingerprint()

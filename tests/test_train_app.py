@@ -147,3 +147,13 @@ def test_ddp_sim_run_verifies_pins_from_spawned_workers(tmp_path):
     assert summary["final"] is not None  # read from the report rank 0 wrote
     weight = state_dict(tmp_path / "pinned.ckpt")["backbone.features.0.weight"]
     assert [weight[c].item() for c in CELLS] == [25.0, 5.0, 125.0]
+
+
+def test_true_half_precision_run_tracks_accuracy_and_holds_the_pins(tmp_path):
+    # bf16-true casts the module: the monitor's accuracy passes go through the precision plugin.
+    result = train(*TINY, "+trainer.precision=bf16-true", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    assert "pins      exact: verified" in result.output
+    report = json.loads((tmp_path / "pin_report.json").read_text())
+    assert report["violations"] == 0 and None not in (report["baseline"], report["forced"], report["final"])
+    assert state_dict(tmp_path / "pinned.ckpt")["backbone.head.weight"].dtype == torch.bfloat16

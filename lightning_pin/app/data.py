@@ -65,6 +65,9 @@ class DigitsDataModule(_SplitDataModule):
         seed: Seed of the split.
         num_workers: DataLoader workers.
 
+    Raises:
+        ValueError: ``val_fraction`` is not in (0, 1).
+
     Example::
 
         >>> data = DigitsDataModule(batch_size=32)
@@ -108,6 +111,9 @@ class SyntheticDataModule(_SplitDataModule):
         noise: Standard deviation of the samples around their class centre (centres are standard
             normal); larger is harder.
         batch_size, val_batch_size, val_fraction, seed, num_workers: As in :class:`DigitsDataModule`.
+
+    Raises:
+        ValueError: ``val_fraction`` is not in (0, 1).
 
     Example::
 

@@ -31,6 +31,9 @@ class Classifier(L.LightningModule):
         scheduler: Optional ``callable(optimizer) -> LRScheduler``.
         scheduler_interval: Step the scheduler every ``"epoch"`` or every ``"step"``.
 
+    Raises:
+        ValueError: ``scheduler_interval`` is neither ``"epoch"`` nor ``"step"``.
+
     Example::
 
         >>> import functools, torch

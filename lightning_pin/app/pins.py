@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
+from lightning_pin.core.io import TensorFileError, load_tensors
 from lightning_pin.core.plan import fraction_indices, name_seed, resolve
 from lightning_pin.core.spec import Pin
 
@@ -43,6 +44,9 @@ class ValueGenerator:
 
 class UniformValues(ValueGenerator):
     """Targets drawn uniformly from ``[low, high)``, reproducible from ``seed`` and the parameter's name.
+
+    Raises:
+        PinError: ``low`` is not below ``high``.
 
     Example::
 
@@ -66,7 +70,18 @@ class UniformValues(ValueGenerator):
 
 
 class NormalValues(ValueGenerator):
-    """Targets drawn from a normal distribution, reproducible from ``seed`` and the parameter's name."""
+    """Targets drawn from a normal distribution, reproducible from ``seed`` and the parameter's name.
+
+    Example::
+
+        >>> import torch
+        >>> values = NormalValues(mean=0.0, std=0.5, seed=3)
+        >>> torch.equal(values("head.bias", torch.zeros(4)), values("head.bias", torch.zeros(4)))
+        True
+
+    Raises:
+        PinError: ``std`` is not positive.
+    """
 
     def __init__(self, mean: float = 0.0, std: float = 1.0, seed: int = 0) -> None:
         if not std > 0:
@@ -83,8 +98,11 @@ class NormalValues(ValueGenerator):
 def realize(pin: Pin, module: nn.Module) -> Pin:
     """``pin`` with a :class:`ValueGenerator` value replaced by one tensor per parameter it matches.
 
-    Other pins are returned as they are. Raises :class:`~lightning_pin.PinError` (from the plan's
-    checks) when the pin matches no parameter of ``module``.
+    Other pins are returned as they are.
+
+    Raises:
+        PinError: the pin matches no parameter of ``module``, or fails another of
+            :func:`~lightning_pin.core.plan.resolve`'s checks.
     """
     if not isinstance(pin.value, ValueGenerator):
         return pin
@@ -102,19 +120,21 @@ def fault_map_pins(path: Union[str, Path]) -> list[Pin]:
 
     The file (``.pt`` / ``.pth`` / ``.safetensors``) maps parameter names to tensors of the
     parameters' shapes: NaN marks a healthy cell, any other number a cell stuck at that number.
+
+    Raises:
+        PinError: the file does not exist or cannot be read, holds anything but a dict of tensors,
+            or marks no faulty cell.
     """
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise PinError(
-            f"fault map {str(path)!r} does not exist (relative paths are taken from {Path.cwd()}); "
-            "write one with lightning_pin.app.pins.random_fault_map and torch.save"
-        )
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        faults = load_file(str(path), device="cpu")
-    else:
-        faults = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        faults = load_tensors(path)
+    except TensorFileError as err:
+        if err.reason == "missing":
+            raise PinError(
+                f"fault map {str(path)!r} does not exist (relative paths are taken from {Path.cwd()}); "
+                "write one with lightning_pin.app.pins.random_fault_map and torch.save"
+            ) from err
+        raise PinError(f"fault map: {err}") from err
     if not isinstance(faults, Mapping) or not all(isinstance(v, Tensor) for v in faults.values()):
         raise PinError(f"fault map {str(path)!r} must hold a dict of tensors by parameter name")
     pins = []
@@ -140,6 +160,17 @@ def random_fault_map(
     """A fault map for ``module``: ``fraction`` of the cells of the matched parameters stuck in ``[low, high)``.
 
     Save it with ``torch.save(fault_map, "faults.pt")`` and run ``pin=fault_map pin.fault_map=faults.pt``.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_pin.app.models import SmallCNN
+        >>> faults = random_fault_map(SmallCNN(), "features.0.weight", fraction=0.05, seed=1)
+        >>> int((~faults["features.0.weight"].isnan()).sum())  # 5% of 144 cells, rounded
+        7
+
+    Raises:
+        PinError: ``params`` matches no parameter of ``module``, or ``fraction`` is not in (0, 1].
     """
     selections = resolve([Pin(params)], module).pins[0].selections
     values = UniformValues(low, high, seed)

@@ -1,9 +1,10 @@
 """``when`` schedules for per-task pinning, importable by path from configs and spawned processes.
 
 A pin with ``when="lightning_pin.app.schedules.task_a"`` is active on the batches where the
-function returns ``True``. Here the tasks alternate batch by batch, as in the per-task freezing
-tutorial of the seeds: task A trains on even batches, task B on odd ones. A real multi-task
-setup would read the task from the batch instead (``batch["task"] == 0``).
+function returns ``True``. Here the tasks alternate batch by batch, as in a tutorial on per-task
+freezing (which shows that with Adam, ``requires_grad=False`` does not stop a layer from
+moving): task A trains on even batches, task B on odd ones. A real multi-task setup would read
+the task from the batch instead (``batch["task"] == 0``).
 """
 
 from __future__ import annotations

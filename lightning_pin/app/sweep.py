@@ -18,6 +18,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from lightning_pin.reporting import tables
+
 RUN_SUMMARY = "run_summary.json"
 SWEEP_SUMMARY = "sweep_summary.csv"
 
@@ -92,26 +94,9 @@ def table_rows(runs: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[
 def print_table(runs: Sequence[Mapping[str, Any]], title: str) -> None:
     """Print the summary (rich when installed, plain text otherwise)."""
     headers, rows = table_rows(runs)
-    try:
-        from rich.console import Console
-        from rich.measure import Measurement
-        from rich.table import Table
-    except ImportError:
-        rows = [[cell.replace("\n", " ") for cell in row] for row in rows]
-        widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-        print(title)
-        for row in [headers, *rows]:
-            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
-        return
-    table = Table(title=title)
-    for i, header in enumerate(headers):
-        table.add_column(header, justify="left" if i < 2 else "right", no_wrap=i != 1)
-    for row in rows:
-        table.add_row(*row)
-    # Never squeeze the numbers: a log or a pipe gets the table's natural width, not 80 columns.
-    console = Console()
-    natural = Measurement.get(console, console.options.update(width=1000), table).maximum
-    Console(width=max(console.width, natural)).print(table)
+    # Numbers never fold; the overrides column (1) wraps, one override per line.
+    columns = [tables.Column(h, justify="left" if i < 2 else "right", no_wrap=i != 1) for i, h in enumerate(headers)]
+    tables.print_table(columns, rows, title)
 
 
 def _number(value: Any, spec: str = ".3g") -> str:

@@ -15,7 +15,8 @@
    ``pinned.ckpt`` (``lightning-pin diff pretrained.ckpt pinned.ckpt`` shows what moved).
 5. Write ``run_summary.json`` (what a sweep's summary table is made of) and print a short summary.
 
-The configs are in ``conf/`` at the top of the repository; their schema is
+The configs are the ``conf/`` directory at the top of the repository, shipped inside the package
+as ``lightning_pin/conf`` (see :func:`find_config_dir`); their schema is
 :mod:`lightning_pin.app.config`.
 """
 
@@ -39,13 +40,14 @@ from hydra.utils import get_class, instantiate
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
-from lightning_pin.app.pins import fault_map_pins, realize
-from lightning_pin.callbacks.pin_callback import PinCallback
 from lightning_pin.app.config import register_configs
-from lightning_pin.core.plan import resolve
-from lightning_pin.reporting.report import REPORT_JSON, REPORT_PNG
-from lightning_pin.core.spec import Pin
+from lightning_pin.app.pins import fault_map_pins, realize
 from lightning_pin.app.sweep import RUN_SUMMARY
+from lightning_pin.callbacks.pin_callback import PinCallback
+from lightning_pin.core.io import TensorFileError, load_checkpoint
+from lightning_pin.core.plan import resolve
+from lightning_pin.core.spec import Pin
+from lightning_pin.reporting.report import REPORT_JSON, REPORT_PNG
 
 log = logging.getLogger("lightning_pin.train")
 
@@ -62,21 +64,55 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\).*")
 
 
-#: The Hydra config groups: conf/ at the top of a source checkout (shipped inside the wheel as
-#: lightning_pin/conf). An absolute path, so the app finds it from any working directory and
-#: however it is started (python -m, the lightning-pin script, a test).
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+def find_config_dir() -> str:
+    """The directory of the Hydra config groups, as an absolute path.
+
+    An installed wheel holds them in ``lightning_pin/conf``; a source or editable checkout has
+    ``conf/`` at the top of the repository, which ``lightning_pin/conf`` links to (a checkout
+    without symlinks, as git makes on some Windows set-ups, falls back to ``conf/`` itself).
+    Absolute, so the app finds it from any working directory and however it is started
+    (``python -m``, the ``lightning-pin`` script, a test).
+
+    Raises:
+        FileNotFoundError: neither place holds ``train.yaml`` (a broken install).
+    """
+    package = Path(__file__).resolve().parents[1]
+    candidates = (package / "conf", package.parent / "conf")
+    for candidate in candidates:
+        if (candidate / "train.yaml").is_file():
+            return str(candidate.resolve())
+    raise FileNotFoundError(
+        f"the app's configs (train.yaml) are in neither {candidates[0]} nor {candidates[1]}: reinstall "
+        "lightning-pin, or run from a checkout of its repository"
+    )
+
+
+#: The Hydra config groups (``conf/``); their schema is :mod:`lightning_pin.app.config`.
+CONFIG_DIR = find_config_dir()
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> Optional[float]:
-    """Run one job; return ``optimized_metric`` of its summary (what Optuna optimizes)."""
+    """Run one job; return ``optimized_metric`` of its summary (what Optuna optimizes).
+
+    Raises:
+        PinError, ValueError, FileNotFoundError: as :func:`run`.
+    """
     summary = run(cfg)
     return summary[cfg.optimized_metric]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Pretrain, pin, retrain, verify, report. Returns the run summary (also in ``run_summary.json``)."""
+    """Pretrain, pin, retrain, verify, report. Returns the run summary (also in ``run_summary.json``).
+
+    Raises:
+        PinError: a pin cannot be honoured on the model (before any training), or a pinned
+            element is off target after training (``PinCallback.verify``).
+        ValueError: ``optimized_metric`` is not a key of the summary, the model and the data
+            disagree on the number of classes, ``callbacks.pin_callback`` is missing, or
+            ``ckpt_path`` is not a checkpoint that loads with ``weights_only=True``.
+        FileNotFoundError: ``ckpt_path`` does not exist.
+    """
     started = time.perf_counter()
     if cfg.optimized_metric not in OPTIMIZABLE:
         raise ValueError(f"optimized_metric={cfg.optimized_metric!r} is not one of {list(OPTIMIZABLE)}")
@@ -135,6 +171,10 @@ def build_pins(pin_cfg: DictConfig, model: torch.nn.Module) -> list[Pin]:
     Each entry of ``pins`` becomes a :class:`~lightning_pin.Pin`; a value given as a generator node
     (``_target_: lightning_pin.app.pins.UniformValues``) becomes one tensor per matched parameter;
     a ``fault_map`` file adds one pin per parameter it marks.
+
+    Raises:
+        PinError: an entry is not a valid pin, a generator's pin matches no parameter of
+            ``model``, or the fault map is missing, unreadable or marks no faulty cell.
     """
     entries = instantiate(pin_cfg.pins, _convert_="all")
     pins = [realize(Pin.from_config(entry), model) for entry in entries]
@@ -145,6 +185,11 @@ def build_pins(pin_cfg: DictConfig, model: torch.nn.Module) -> list[Pin]:
 
 
 def build_pin_callback(cfg: DictConfig, pins: Sequence[Pin]) -> PinCallback:
+    """The :class:`~lightning_pin.PinCallback` of ``callbacks.pin_callback``, holding ``pins``.
+
+    Raises:
+        ValueError: the config has no ``callbacks.pin_callback``.
+    """
     if "pin_callback" not in cfg.callbacks:
         raise ValueError(
             "callbacks.pin_callback is missing: the app retrains with the PinCallback it describes "
@@ -180,7 +225,11 @@ def build_loggers(cfg: DictConfig, phase: str) -> list[Logger]:
 
 
 def check_classes(model: pl.LightningModule, datamodule: pl.LightningDataModule) -> None:
-    """Fail early, with the fix, when the model's outputs do not match the data's classes."""
+    """Fail early, with the fix, when the model's outputs do not match the data's classes.
+
+    Raises:
+        ValueError: ``model.backbone.num_classes`` differs from ``datamodule.num_classes``.
+    """
     model_classes = getattr(getattr(model, "backbone", None), "num_classes", None)
     data_classes = getattr(datamodule, "num_classes", None)
     if model_classes is not None and data_classes is not None and model_classes != data_classes:
@@ -191,11 +240,22 @@ def check_classes(model: pl.LightningModule, datamodule: pl.LightningDataModule)
 
 
 def load_weights(model: torch.nn.Module, ckpt_path: str) -> None:
-    path = Path(ckpt_path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path!r} does not exist (relative paths are taken from {Path.cwd()})")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict(checkpoint.get("state_dict", checkpoint))
+    """Load the weights of a Lightning checkpoint, or of a bare state dict, into ``model``.
+
+    Raises:
+        FileNotFoundError: ``ckpt_path`` does not exist.
+        ValueError: the file is not a checkpoint or state dict that loads with ``weights_only=True``.
+        RuntimeError: its weights do not fit ``model`` (``load_state_dict`` names the keys).
+    """
+    try:
+        checkpoint = load_checkpoint(ckpt_path)
+    except TensorFileError as err:
+        if err.reason == "missing":
+            raise FileNotFoundError(
+                f"ckpt_path={ckpt_path!r} does not exist (relative paths are taken from {Path.cwd()})"
+            ) from err
+        raise ValueError(f"ckpt_path={ckpt_path!r}: {err}") from err
+    model.load_state_dict(checkpoint["state_dict"])
 
 
 # ----------------------------------------------------------------------------------------------

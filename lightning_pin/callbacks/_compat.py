@@ -7,8 +7,18 @@ only one to change, and the tests that exercise each function (``tests/test_trai
 
 from __future__ import annotations
 
+import functools
+from typing import Any, Callable
+
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from torch import nn
+
+try:  # lightning >= 2.6: WeightAveraging and EMAWeightAveraging
+    from lightning.pytorch.callbacks import WeightAveraging
+except ImportError:
+    WeightAveraging = None
 
 
 def runs_in_spawned_workers(trainer: pl.Trainer) -> bool:
@@ -37,3 +47,59 @@ def setup_validation_data(trainer: pl.Trainer) -> None:
             val_loop.setup_data()
         finally:
             trainer.training = True
+
+
+def watch_weight_averaging(trainer: pl.Trainer, after_update: Callable[[nn.Module], None]) -> list[Callable[[], None]]:
+    """Call ``after_update(averaged_module)`` right after each update of the averaged copy that
+    Lightning's weight-averaging callbacks keep; return functions that undo the watching.
+
+    Why private: ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging`` and
+    any subclass) keep their copy in ``_average_model`` and update it from their own hooks, in
+    whatever order the callbacks are listed; no public hook runs after their update. The update
+    rounds pinned values (EMA's ``decay * a + (1 - decay) * b`` moves a pinned value by one ulp even
+    when ``a == b``), and the copy goes into checkpoints and back into the module at the end: so
+    the pins are written into the copy right after every update, whatever the callback order.
+    """
+    undo: list[Callable[[], None]] = []
+    for callback in trainer.callbacks:
+        if isinstance(callback, StochasticWeightAveraging):
+            update = callback.update_parameters  # a staticmethod: (average_model, model, n_averaged, avg_fn)
+
+            def swa_update(average_model: Any, *args: Any, _update: Any = update, **kwargs: Any) -> None:
+                _update(average_model, *args, **kwargs)
+                after_update(average_model)
+
+            callback.update_parameters = swa_update  # type: ignore[method-assign]
+            undo.append(functools.partial(callback.__dict__.pop, "update_parameters", None))
+        elif WeightAveraging is not None and isinstance(callback, WeightAveraging):
+            averaged = callback._average_model
+            if averaged is None:
+                continue
+            update = averaged.update_parameters
+
+            def ema_update(*args: Any, _update: Any = update, _averaged: Any = averaged, **kwargs: Any) -> None:
+                _update(*args, **kwargs)
+                after_update(_averaged.module)
+
+            averaged.update_parameters = ema_update  # an instance attribute: nn.Module keeps it in __dict__
+            undo.append(functools.partial(averaged.__dict__.pop, "update_parameters", None))
+    return undo
+
+
+def averaged_modules(trainer: pl.Trainer) -> list[tuple[str, nn.Module]]:
+    """``(callback name, averaged module)`` of each weight-averaging callback that holds a copy
+    (see :func:`watch_weight_averaging` for why this reads ``_average_model``)."""
+    found = []
+    for callback in trainer.callbacks:
+        averaged = getattr(callback, "_average_model", None) if _is_weight_averaging(callback) else None
+        if isinstance(callback, StochasticWeightAveraging) and averaged is not None:
+            found.append((type(callback).__name__, averaged))
+        elif averaged is not None:
+            found.append((type(callback).__name__, averaged.module))
+    return found
+
+
+def _is_weight_averaging(callback: Any) -> bool:
+    return isinstance(callback, StochasticWeightAveraging) or (
+        WeightAveraging is not None and isinstance(callback, WeightAveraging)
+    )

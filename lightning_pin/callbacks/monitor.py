@@ -24,13 +24,14 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 from torchmetrics import Metric
 from torchmetrics.classification import BinaryAccuracy, MulticlassAccuracy
 
 from lightning_pin.callbacks._compat import setup_validation_data
 from lightning_pin.reporting import report as reporting
 from lightning_pin.reporting.preservation import Preservation
-from lightning_pin.core.engine import PinEngine
+from lightning_pin.core.engine import PinEngine, StepStats
 from lightning_pin.core.errors import AccuracyGapError, PinError
 from lightning_pin.callbacks.metrics import (
     FreeWeights,
@@ -105,6 +106,14 @@ class PinMonitor:
         report: Write the report files and print the table at the end of training.
         report_dir: Where to write the report (default: the first logger's ``log_dir``).
 
+    Raises:
+        PinError: When built, for an ``accuracy`` that is neither a bool nor a torchmetrics
+            ``Metric``, an unknown ``on_max_gap``, a negative or non-finite ``max_gap`` or
+            ``tolerance``, or a ``predict`` path that cannot be imported. While measuring, for a
+            batch the default ``predict`` cannot split, or a metric that computes more than one
+            number.
+        AccuracyGapError: With ``on_max_gap="raise"``, when the gap exceeds ``max_gap``.
+
     Example::
 
         >>> from torchmetrics.classification import MulticlassAccuracy
@@ -174,6 +183,7 @@ class PinMonitor:
         self.pinned_elements = 0
         self.trainable_elements = 0
         self._engine: Optional[PinEngine] = None
+        self._restore_hook: Optional[RemovableHandle] = None
         self._pin_drift = PinDrift()
         self._violations = PinViolations()
         self._free: Optional[FreeWeights] = None
@@ -183,14 +193,18 @@ class PinMonitor:
         self._counted_step = -1
         self._report_dir: Optional[str] = None
         self._tracking = False
+        self._baseline: Optional[float] = None  # measured before forcing, recorded after
 
     # ------------------------------------------------------------------------------------------
     # Set-up
 
     def setup(self, trainer: pl.Trainer, module: pl.LightningModule, engine: PinEngine) -> None:
-        """Start afresh for a fit (call from ``on_fit_start``, before :meth:`load_state_dict`)."""
+        """Start afresh for a fit (call from ``on_fit_start``, before :meth:`load_state_dict`) and
+        observe the engine's restores (measured on logging steps only)."""
         self._reset()
         self._engine = engine
+        if engine.plan.pins:
+            self._restore_hook = engine.register_restore_hook(self._after_restore, wants_stats=self._wants_stats)
         self._pin_drift.to(module.device)
         self._violations.to(module.device)
         if self.metric is not None:
@@ -199,10 +213,21 @@ class PinMonitor:
         self.pinned_elements = sum(engine.plan.pinned_counts().values())
         self.trainable_elements = engine.plan.trainable_elements
 
-    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule, engine: PinEngine) -> None:
-        """Measure the baseline, force the first step's pins, measure the forced value, snapshot the weights."""
-        step = trainer.global_step
+    def before_force(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Measure the baseline: the tracked metric before any pin is forced (``on_train_start``)."""
         self._report_dir = self._resolve_report_dir(trainer)
+        self._baseline = None
+        if self.preservation is None or self.preservation.baseline is not None or trainer.global_step > 0:
+            return
+        loader, limit = self._val_loader(trainer)
+        if loader is None:
+            rank_zero_warn(f"PinMonitor: no validation data (trainer.val_dataloaders), so {self.name} is not tracked")
+            return
+        self._baseline = self._evaluate(trainer, module, loader, limit)
+
+    def after_force(self, trainer: pl.Trainer, module: pl.LightningModule, engine: PinEngine) -> None:
+        """Measure the forced value (pins set, no training), snapshot the free weights, log."""
+        step = trainer.global_step
         logged: dict[str, float] = {
             f"{PREFIX}pinned_elements": float(self.pinned_elements),
             f"{PREFIX}trainable_elements": float(self.trainable_elements),
@@ -214,8 +239,8 @@ class PinMonitor:
                 rank_zero_info(
                     f"PinMonitor: resumed at step {step} without a saved baseline; {self.name} is not tracked"
                 )
-            else:
-                logged.update(self._measure_baseline_and_forced(trainer, module, engine))
+            elif self._baseline is not None:
+                logged.update(self._measure_forced(trainer, module, self._baseline))
         if self.weight_drift and any(type(p).__name__ == "DTensor" for p in module.parameters()):
             # A sharded parameter's distance needs its shard's share of the pins: not measured yet.
             rank_zero_info("PinMonitor: weight drift is not measured for sharded parameters (FSDP)")
@@ -230,19 +255,9 @@ class PinMonitor:
         _log(trainer, logged, step)
         self._write_report(trainer, plot=False)
 
-    def _measure_baseline_and_forced(
-        self, trainer: pl.Trainer, module: pl.LightningModule, engine: PinEngine
-    ) -> dict[str, float]:
-        loader, limit = self._val_loader(trainer)
-        if loader is None:
-            rank_zero_warn(f"PinMonitor: no validation data (trainer.val_dataloaders), so {self.name} is not tracked")
-            return {}
+    def _measure_forced(self, trainer: pl.Trainer, module: pl.LightningModule, baseline: float) -> dict[str, float]:
         step = trainer.global_step
-        baseline = self._evaluate(trainer, module, loader, limit)
-        # Force the pins of the first step now (the first on_train_batch_start would do the same,
-        # and no weight moves in between), so the forced value can be measured.
-        engine.set_active(engine.ids_at(step))
-        forced = self._evaluate(trainer, module, loader, limit)
+        forced = self._evaluate(trainer, module, *self._val_loader(trainer))
         self.preservation.baseline = baseline
         self.preservation.record(step, forced, forced=True)
         self._tracking = True
@@ -265,27 +280,26 @@ class PinMonitor:
         self._batch_start_step = step
         if not (self.drift and engine.plan.pins):
             return
-        engine.measure = self._measuring
         if self._measuring and self._counted_step != step:
             # Active pins are all on target here unless something wrote to them since the last
             # restore (another callback, user code). Counted once per step, not per micro-batch.
             self._counted_step = step
             self._violations.update(count_off_target(engine.targets()))
 
-    def after_restore(self) -> None:
-        """Feed the stats of a measured restore to the metrics (the engine calls this after each restore)."""
-        engine = self._engine
-        if engine is not None and engine.measure and engine.last_stats is not None:
-            self._pin_drift.update(engine.last_stats)
-            self._violations.update(engine.last_stats.violations)
+    def _wants_stats(self) -> bool:
+        return self._measuring and self.drift
+
+    def _after_restore(self, stats: Optional[StepStats]) -> None:
+        """Feed the stats of a measured restore to the metrics (registered with the engine)."""
+        if stats is not None:
+            self._pin_drift.update(stats)
+            self._violations.update(stats.violations)
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         """On a logging step that took an optimizer step, compute and log the step metrics."""
         if not self._measuring or trainer.global_step == self._batch_start_step:
             return  # not a logging step, or a micro-batch that only accumulated gradients
         self._measuring = False
-        if self._engine is not None:
-            self._engine.measure = False
         self._log_step_metrics(trainer, trainer.global_step)
 
     def _log_step_metrics(self, trainer: pl.Trainer, step: int) -> None:
@@ -404,8 +418,9 @@ class PinMonitor:
         """Release the weight snapshot and stop measuring."""
         self._free = None
         self._measuring = False
-        if self._engine is not None:
-            self._engine.measure = False
+        if self._restore_hook is not None:
+            self._restore_hook.remove()
+            self._restore_hook = None
 
     def results(self) -> dict[str, Any]:
         """The report: the dict written as ``pin_report.json`` (see :func:`~lightning_pin.reporting.report.make_report`)."""
@@ -479,10 +494,14 @@ class PinMonitor:
         modes = {m: m.training for m in module.modules()}
         module.eval()
         try:
-            with torch.no_grad():
+            # Batches go through the precision plugin as in Lightning's own validation: with
+            # "bf16-true" / "16-true" the inputs are cast to the weights' dtype.
+            precision = trainer.precision_plugin
+            with torch.no_grad(), precision.val_step_context():
                 for batch_idx, batch in enumerate(loader):
                     if batch_idx >= limit:
                         break
+                    batch = precision.convert_input(batch)
                     batch = trainer.strategy.batch_to_device(batch, dataloader_idx=self.dataloader_idx)
                     self._update_metric(*self.predict(module, batch))
         finally:
@@ -526,7 +545,11 @@ class PinMonitor:
 
 
 def default_predict(module: nn.Module, batch: Any) -> tuple[Tensor, Tensor]:
-    """``(module(x), y)`` for ``(x, y)`` batches and mappings with input and target keys."""
+    """``(module(x), y)`` for ``(x, y)`` batches and mappings with input and target keys.
+
+    Raises:
+        PinError: the batch is neither, or a mapping without a known input or target key.
+    """
     if isinstance(batch, Mapping):
         x = next((batch[k] for k in _INPUT_KEYS if k in batch), None)
         y = next((batch[k] for k in _TARGET_KEYS if k in batch), None)

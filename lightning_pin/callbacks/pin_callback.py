@@ -5,25 +5,35 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_pin.callbacks._compat import runs_in_spawned_workers
+from lightning_pin.callbacks._compat import averaged_modules, runs_in_spawned_workers, watch_weight_averaging
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.errors import PinError
+from lightning_pin.core.handle import as_pins
+from lightning_pin.core.modules import unwrap
 from lightning_pin.callbacks.monitor import PinMonitor
-from lightning_pin.core.plan import resolve
+from lightning_pin.core.plan import check_conflicts, check_targets_fit, refuse_sparse_gradients, resolve
+from lightning_pin.core.state import find_pin_states
 from lightning_pin.core.spec import Pin
 
 _VERIFY_CHOICES = ("step", "epoch", "end", "never")
+# Lightning precisions that cast the parameters themselves, in strategy.setup.
+_TRUE_PRECISION = {"16-true": torch.float16, "bf16-true": torch.bfloat16}
+# Live callbacks by their pins' fingerprints (see state_key).
+_LIVE: dict[tuple[str, ...], weakref.WeakSet] = {}
 
 
 class PinCallback(Callback):
@@ -57,6 +67,15 @@ class PinCallback(Callback):
             :class:`~lightning_pin.PinMonitor`, ``True`` for ``PinMonitor()`` (pin drift, violations
             and weight drift on logging steps; no accuracy tracking), or ``False`` for nothing.
 
+    Raises:
+        PinError: When built, for ``pins`` that are not pins or mappings of their keys, an unknown
+            ``verify``, or a ``monitor`` that is neither a ``PinMonitor`` nor a bool. At fit start,
+            before any weight changes, for a pin that cannot be honoured on the module being
+            trained (see :func:`~lightning_pin.core.plan.resolve`), ranks whose pins differ, or a
+            strategy whose shards hide element coordinates (FSDP1, DeepSpeed). On resume with
+            ``strict=True``, for saved pin state these pins cannot match. With ``verify`` other
+            than ``"never"``, for a pinned element found off target.
+
     Example::
 
         >>> import lightning as L
@@ -81,15 +100,16 @@ class PinCallback(Callback):
         verbose: bool = True,
         monitor: Union[PinMonitor, bool] = True,
     ) -> None:
-        if isinstance(pins, (Pin, Mapping)):
-            pins = [pins]
-        if isinstance(pins, (str, bytes)) or not isinstance(pins, Sequence):
-            raise PinError(f"pins must be a Pin, a mapping or a list of them, got {type(pins).__name__}")
         if verify not in _VERIFY_CHOICES:
             raise PinError(f"verify must be one of {_VERIFY_CHOICES}, got {verify!r}")
         if not isinstance(monitor, (PinMonitor, bool)):
             raise PinError(f"monitor must be a PinMonitor, True or False, got {type(monitor).__name__}")
-        self.pins: list[Pin] = [Pin.from_config(p) for p in pins]
+        self.pins: list[Pin] = as_pins(pins)
+        self._fingerprints = [p.fingerprint() for p in self.pins]
+        # Unfitted live callbacks with these pins (see state_key); a fit takes this one out.
+        twins = _LIVE.setdefault(tuple(self._fingerprints), weakref.WeakSet())
+        self._copy_index = len(twins)
+        twins.add(self)
         self.strict = strict
         self.verify_at = verify
         self.verbose = verbose
@@ -97,7 +117,11 @@ class PinCallback(Callback):
         self.monitor: Optional[PinMonitor] = PinMonitor() if monitor is True else (monitor or None)
         self.engine: Optional[PinEngine] = None
         self._loaded_state: Optional[dict[str, Any]] = None
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
+        self._unwatch: list[Callable[[], None]] = []
+        self._fitting = False
+        #: global_step at the end of the last fit (None before): what "active" means without a step.
+        self._end_step: Optional[int] = None
         self._when_hits: frozenset[int] = frozenset()
         # Under ddp_spawn this object is pickled into the workers and the copy in the main
         # process never runs a hook; rank 0 leaves its state in this file for verify().
@@ -107,11 +131,24 @@ class PinCallback(Callback):
     @override
     def state_key(self) -> str:
         # Derived from the specs, so a resume with the same pins finds its state and two
-        # callbacks with different pins keep theirs apart.
-        return self._generate_state_key(pins=[p.fingerprint() for p in self.pins])
+        # callbacks with different pins keep theirs apart. A second live callback with the same
+        # pins gets a distinct key, so that Trainer(...) accepts it and on_fit_start can say
+        # clearly what is wrong (Lightning itself refuses two stateful callbacks with one key).
+        if self._copy_index:
+            return self._generate_state_key(pins=self._fingerprints, copy=self._copy_index)
+        return self._generate_state_key(pins=self._fingerprints)
 
     # ------------------------------------------------------------------------------------------
     # Set-up and tear-down
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # True half precision casts the module right after this hook: check that explicit targets
+        # survive the cast now, while a rejected spec still leaves the module as the user built it.
+        cast = _TRUE_PRECISION.get(str(trainer.precision))
+        if stage != "fit" or cast is None or is_overridden("configure_model", pl_module):
+            return  # (configure_model builds layers later: on_fit_start checks those after the cast)
+        check_targets_fit(resolve(self.pins, pl_module, warn=lambda message: None), cast)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -119,42 +156,59 @@ class PinCallback(Callback):
         module = trainer.lightning_module
         try:
             plan, rejected = resolve(self.pins, module, warn=rank_zero_warn), None
-            _refuse_sparse_gradients(plan, module)
+            refuse_sparse_gradients(plan, module)
         except PinError as err:
             plan, rejected = None, err
         # A spec can fail on one rank only (a file missing on one node): every rank must raise,
         # or the others would wait forever in the next collective.
         _raise_if_any_rank_rejected(trainer, pl_module, rejected)
         _check_plans_agree(trainer, pl_module, plan)
+        _check_other_pin_callbacks(trainer, self, plan)
         self.engine = PinEngine(plan)
+        self._fitting = True
+        _LIVE.get(tuple(self._fingerprints), set()).discard(self)
         if self.monitor is not None:
             self.monitor.setup(trainer, module, self.engine)
         if self._loaded_state is not None:
-            self.engine.load_state_dict(self._loaded_state, strict=self.strict, warn=rank_zero_warn)
-            if self.monitor is not None:
-                self.monitor.load_state_dict(self._loaded_state.get("monitor"))
+            self._load(self._loaded_state)
             self._loaded_state = None
         if plan.pins:
             self._handles = self.engine.attach(trainer.optimizers)
             if self.verify_at == "step":
-                self.engine._after_restore.append(self._check)
-            if self.monitor is not None:
-                self.engine._after_restore.append(self.monitor.after_restore)
+                self._handles.append(self.engine.register_restore_hook(lambda stats: self._check()))
+            self._unwatch = watch_weight_averaging(trainer, self._pin_averaged)
         if self.verbose and plan.pins:
             rank_zero_info(f"PinCallback: pins resolved on {type(module).__name__}\n{plan.summary()}")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # On resume the active pins' targets come from the callback state: make the weights the
-        # first forward sees hold them, whatever the checkpoint's weights were.
+        # Force the pins of the first step here, before any other callback's on_train_epoch_start
+        # can sample the weights (weight averaging). On resume the active pins' targets come
+        # from the callback state: the weights the first forward sees hold them, whatever the
+        # checkpoint's weights were.
+        if self.engine is None:
+            return
+        if self.monitor is not None:
+            self.monitor.before_force(trainer, pl_module)  # the baseline: no pin forced yet
+        self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
+        self.engine.force()
+        for _, averaged in averaged_modules(trainer):
+            self._pin_averaged(averaged)  # copied at setup, before any pin was forced
+        if self.monitor is not None:
+            self.monitor.after_force(trainer, pl_module, self.engine)
+
+    def _pin_averaged(self, averaged: nn.Module) -> None:
+        """Write the pins into an averaged copy of the weights, right after each of its updates."""
         if self.engine is not None:
-            if self.monitor is not None:
-                # Before force(): the baseline is measured before any pin is forced.
-                self.monitor.on_train_start(trainer, pl_module, self.engine)
-            self.engine.force()
+            self.engine.write_into(dict(averaged.named_parameters(remove_duplicate=False)))
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After every callback's on_train_end (weight averaging copies its average into the
+        # module there): a foreign write after the last restore is caught here, in any order.
+        self._end_step = trainer.global_step
+        if self.verify_at != "never":
+            self._check(averaged_modules(trainer))
         if (
             runs_in_spawned_workers(trainer)
             and trainer.local_rank == 0
@@ -167,9 +221,12 @@ class PinCallback(Callback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for undo in self._unwatch:
+            undo()
+        self._unwatch = []
+        self._fitting = False
         if self.engine is not None:
             self.engine.detach()
-            self.engine._after_restore.clear()
         if self.monitor is not None:
             self.monitor.teardown()
 
@@ -183,7 +240,9 @@ class PinCallback(Callback):
         if self.engine is None:
             return
         if self.engine.plan.pins:
-            self._when_hits = self._evaluate_when(trainer, pl_module, batch, batch_idx)
+            self._when_hits = self.engine.when_hits(
+                trainer.global_step, batch, batch_idx, agree=_any_rank(trainer, pl_module)
+            )
             self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
         if self.monitor is not None:
             self.monitor.on_train_batch_start(trainer, self.engine)
@@ -205,21 +264,6 @@ class PinCallback(Callback):
         self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
         self.engine.mask_grads(optimizer)
 
-    def _evaluate_when(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> frozenset[int]:
-        step = trainer.global_step
-        candidates = [i for i, rp in enumerate(self.engine.plan.pins) if rp.when is not None and rp.in_window(step)]
-        if not candidates:
-            return frozenset()
-        hits = [bool(self.engine.plan.pins[i].when(batch, batch_idx)) for i in candidates]
-        if trainer.world_size > 1:
-            # Each rank sees its own batch. A pin must hold on every rank or on none, or the
-            # replicas diverge: it is active if any rank's batch asks for it.
-            flags = torch.tensor(hits, dtype=torch.int32, device=pl_module.device)
-            hits = [bool(x) for x in trainer.strategy.reduce(flags, reduce_op="max").tolist()]
-        return frozenset(i for i, hit in zip(candidates, hits) if hit)
-
     # ------------------------------------------------------------------------------------------
     # Checks
 
@@ -230,8 +274,6 @@ class PinCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.verify_at in ("epoch", "end"):
-            self._check()
         if self.monitor is not None and self.engine is not None:
             self.monitor.on_train_end(trainer, pl_module, self.engine)
 
@@ -253,9 +295,22 @@ class PinCallback(Callback):
         if self.monitor is not None:
             self.monitor.on_validation_epoch_end(trainer, pl_module)
 
-    def _check(self) -> None:
-        if self.engine is not None and self.engine.last_step_active is not None:
-            self._raise_if_off(self.engine.violations(pin_ids=self.engine.last_step_active))
+    def _checked_ids(self) -> frozenset[int]:
+        engine = self.engine
+        if engine.last_step_active is None and self._end_step is not None:
+            # No optimizer step ran (max_steps=0, a manual loop that never steps): the pins of
+            # that step must hold all the same; nothing passes for want of a step.
+            return engine.active | engine.ids_at(self._end_step)
+        return engine.checked_ids
+
+    def _check(self, averaged: Sequence[tuple[str, nn.Module]] = ()) -> None:
+        if self.engine is None:
+            return
+        pin_ids = self._checked_ids()
+        self._raise_if_off(self.engine.violations(pin_ids=pin_ids))
+        for owner, module in averaged:
+            parameters = dict(module.named_parameters(remove_duplicate=False))
+            self._raise_if_off(self.engine.violations(parameters, pin_ids), where=f" in {owner}'s averaged model")
 
     def verify(self, module: Optional[nn.Module] = None) -> None:
         """Raise :class:`~lightning_pin.PinError` naming every pinned element that is off target.
@@ -263,29 +318,31 @@ class PinCallback(Callback):
         Checks every pin that was active at the last optimizer step (or, before any step, every
         pin active now) against ``module``'s parameters, by name; ``module`` defaults to the
         module the pins were resolved on.
+
+        Raises:
+            PinError: a pinned element is off target (the message names them), ``module`` lacks a
+                pinned parameter, or the callback has not been fitted yet.
         """
         if self.engine is None and module is not None and os.path.exists(self._handoff):
             self._adopt_worker_state(module)
         if self.engine is None:
             raise PinError("verify() needs a PinCallback that has been fitted: call trainer.fit(...) first")
-        pin_ids = self.engine.last_step_active
-        if pin_ids is None:
-            pin_ids = self.engine.active
-        parameters = None if module is None else dict(module.named_parameters())
+        pin_ids = self._checked_ids()
+        parameters = None if module is None else dict(unwrap(module).named_parameters(remove_duplicate=False))
         self._raise_if_off(self.engine.violations(parameters, pin_ids))
 
     def _adopt_worker_state(self, module: nn.Module) -> None:
         """Take over the state a spawned rank 0 left behind (see ``on_fit_end``)."""
         state = self._worker_state()
         os.remove(self._handoff)
-        engine = PinEngine(resolve(self.pins, module, warn=lambda message: None))
+        engine = PinEngine(resolve(self.pins, unwrap(module), warn=lambda message: None))
         engine.load_state_dict(state, strict=True)
         self.engine = engine
 
     def _worker_state(self) -> dict[str, Any]:
         return torch.load(self._handoff, map_location="cpu", weights_only=True)
 
-    def _raise_if_off(self, violations: list) -> None:
+    def _raise_if_off(self, violations: list, where: str = "") -> None:
         if self.engine is not None and self.engine.sharded and torch.distributed.is_initialized():
             # Each rank checked its own shards: the verdict is the sum, so that every rank raises
             # together (every rank must call verify).
@@ -295,7 +352,9 @@ class PinCallback(Callback):
                 raise PinError(f"{int(total)} pinned element(s) off target on other ranks' shards")
         if violations:
             total = sum(v.count for v in violations)
-            raise PinError(f"{total} pinned element(s) off target:\n" + "\n".join(f"  {v}" for v in violations))
+            raise PinError(
+                f"{total} pinned element(s) off target{where}:\n" + "\n".join(f"  {v}" for v in violations)
+            )
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints
@@ -306,7 +365,7 @@ class PinCallback(Callback):
             if os.path.exists(self._handoff):
                 # After ddp_spawn: the state rank 0 left, so a checkpoint saved now keeps it.
                 return self._worker_state()
-            return dict(self._loaded_state or {})
+            return dict(self._loaded_state) if isinstance(self._loaded_state, Mapping) else {}
         state = self.engine.state_dict()
         if self.monitor is not None:
             state["monitor"] = self.monitor.state_dict()
@@ -316,12 +375,15 @@ class PinCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.engine is not None and self._handles:
             # Strategies that restore after setup (FSDP2, DeepSpeed) load after on_fit_start.
-            self.engine.load_state_dict(state_dict, strict=self.strict, warn=rank_zero_warn)
-            if self.monitor is not None:
-                self.monitor.load_state_dict(state_dict.get("monitor"))
+            self._load(state_dict)
         else:
             # Most strategies load before on_fit_start resolves the plan: keep it until then.
             self._loaded_state = state_dict
+
+    def _load(self, state: Any) -> None:
+        saved = self.engine.load_state_dict(state, strict=self.strict, warn=rank_zero_warn)
+        if self.monitor is not None and saved is not None:
+            self.monitor.load_state_dict(saved.monitor)
 
     @override
     def on_load_checkpoint(
@@ -329,20 +391,68 @@ class PinCallback(Callback):
     ) -> None:
         # Lightning silently skips callback state whose key matches no callback. Pin state that
         # no PinCallback of this trainer claims means targets would be lost: refuse instead.
-        saved = [
-            key
-            for key, state in checkpoint.get("callbacks", {}).items()
-            if isinstance(key, str) and key.startswith("PinCallback") and state and state.get("pins")
-        ]
-        ours = {cb.state_key for cb in trainer.callbacks if isinstance(cb, PinCallback)}
-        unmatched = [k for k in saved if k not in ours]
+        states = checkpoint.get("callbacks", {})
+        saved = [key for key in find_pin_states({"callbacks": states}) if states[key].get("pins")]
+        owners = _owners(trainer, states, saved)
+        mine = [key for key, cb in owners.items() if cb is self and key != self.state_key]
+        if mine:
+            # Saved under another key with these very pins (a copy index: another callback with
+            # the same pins was alive when one of the two was built): this one owns it.
+            self.load_state_dict(states[mine[0]])
+        unmatched = [k for k in saved if k not in owners]
+        ours = sorted(cb.state_key for cb in trainer.callbacks if isinstance(cb, PinCallback))
         if unmatched and self.strict and self is _first_pin_callback(trainer):
             raise PinError(
                 f"the checkpoint holds pin state {unmatched} that no PinCallback of this trainer matches "
-                f"(theirs: {sorted(ours)}). Resume with the same pins, or pass strict=False to drop it."
+                f"(theirs: {ours}). Resume with the same pins, or pass strict=False to drop it."
             )
         if unmatched and not self.strict:
             rank_zero_warn(f"PinCallback(strict=False): dropping saved pin state {unmatched}")
+
+
+def _owners(trainer: pl.Trainer, states: Mapping[str, Any], saved: Sequence[str]) -> dict[str, PinCallback]:
+    """Which PinCallback of ``trainer`` owns each saved pin state: by exact key, else the one
+    callback not yet served whose pins have the state's fingerprints."""
+    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, PinCallback)]
+    owners = {cb.state_key: cb for cb in callbacks if cb.state_key in saved}
+    for key in saved:
+        if key not in owners:
+            same = [
+                cb
+                for cb in callbacks
+                if cb not in owners.values() and list(states[key].get("fingerprints", [])) == cb._fingerprints
+            ]
+            if len(same) == 1:
+                owners[key] = same[0]
+    return owners
+
+
+def _any_rank(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[Callable[[list[bool]], list[bool]]]:
+    """Each rank sees its own batch; a ``when`` pin must hold on every rank or on none, or the
+    replicas diverge: it is active if any rank's batch asks for it (one tiny all-reduce)."""
+    if trainer.world_size <= 1:
+        return None
+
+    def agree(hits: list[bool]) -> list[bool]:
+        flags = torch.tensor(hits, dtype=torch.int32, device=pl_module.device)
+        return [bool(x) for x in trainer.strategy.reduce(flags, reduce_op="max").tolist()]
+
+    return agree
+
+
+def _check_other_pin_callbacks(trainer: pl.Trainer, callback: PinCallback, plan: Any) -> None:
+    """Several PinCallbacks on one trainer: identical pins twice are a mistake, and explicit targets
+    that disagree on one element must fail now, not after training."""
+    others = [cb for cb in trainer.callbacks if isinstance(cb, PinCallback) and cb is not callback]
+    twins = [cb for cb in others if cb._fingerprints == callback._fingerprints]
+    if twins:
+        raise PinError(
+            f"{1 + len(twins)} PinCallbacks on this trainer hold identical pins {callback.pins!r}: "
+            "pass them once (one PinCallback can hold any number of pins)"
+        )
+    earlier = [cb.engine.plan for cb in others if cb.engine is not None and cb._fitting]
+    if earlier:
+        check_conflicts([rp for p in earlier for rp in p.pins] + list(plan.pins))
 
 
 def _first_pin_callback(trainer: pl.Trainer) -> Optional[PinCallback]:
@@ -386,18 +496,3 @@ def _raise_if_any_rank_rejected(trainer: pl.Trainer, pl_module: pl.LightningModu
             raise PinError("another rank rejected its pins (see its error); every rank stops before training")
     if rejected is not None:
         raise rejected
-
-
-def _refuse_sparse_gradients(plan: Any, module: nn.Module) -> None:
-    """Element pins need dense gradients; whole-tensor pins drop the gradient and need none."""
-    element_pinned = {
-        name for rp in plan.pins for name, selection in rp.selections.items() if selection.index is not None
-    }
-    for module_name, child in module.named_modules():
-        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse:
-            name = f"{module_name}.weight" if module_name else "weight"
-            if name in element_pinned:
-                raise PinError(
-                    f"{name!r} gets sparse gradients ({type(child).__name__}(sparse=True)), which element pins "
-                    "cannot mask; use sparse=False, or pin the whole tensor"
-                )

@@ -2,27 +2,22 @@
 
 :class:`PinEngine` masks the gradients of pinned elements before an optimizer step, restores
 pinned values right after it (from a ``register_step_post_hook``), zeroes the optimizer
-statistics of elements whose pin activates, and checks values against their targets. A plain
-PyTorch loop uses it as::
-
-    engine = PinEngine(resolve(pins, model))
-    handles = engine.attach([optimizer])      # restores after every optimizer.step()
-    for step, batch in enumerate(loader):
-        engine.set_active(engine.ids_at(step))  # forces values of pins that start now
-        loss(model(batch)).backward()
-        engine.mask_grads(optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
+statistics of elements whose pin activates, and checks values against their targets. It decides
+nothing about *when*: its drivers do, :class:`~lightning_pin.PinCallback` from Lightning's hooks
+and :func:`~lightning_pin.pin` from torch's own hooks. Observers (the monitor, step checks)
+register with :meth:`PinEngine.register_restore_hook` and get a removable handle.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -30,15 +25,12 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pin.core.errors import PinError
-from lightning_pin.core.plan import PinPlan, Selection
+from lightning_pin.core.plan import PinPlan, Selection, call_when
+from lightning_pin.core.state import CorruptPinState, PinState, SavedSelection
 
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # torch < 2.4 keeps it private; builds without distributed have none
-    try:
-        from torch.distributed._tensor import DTensor, Replicate, Shard
-    except ImportError:
-        DTensor = Replicate = Shard = None
+# torch.distributed.tensor costs seconds to import (it pulls in sympy), and a plain loop never
+# needs it: a tensor can only be a DTensor once that module has been imported by someone else.
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # public from torch 2.4
 
 #: Per-element optimizer statistics that push an element, zeroed when a step-window pin activates.
 #: Step sizes (Rprop ``step_size``) and weight averages (ASGD ``ax``) are left alone.
@@ -169,12 +161,22 @@ class LocalPart:
 
 
 def is_sharded(tensor: Any) -> bool:
-    return DTensor is not None and isinstance(tensor, DTensor)
+    """Whether ``tensor`` is a DTensor (FSDP2, tensor parallel), without importing DTensor."""
+    for name in _DTENSOR_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and isinstance(tensor, module.DTensor):
+            return True
+    return False
 
 
 def local_part(tensor: Tensor, index: Tensor | None, values: Tensor | None, name: str) -> LocalPart:
     """Map full-tensor indices and targets onto the shard of ``tensor`` this process holds."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    try:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch 2.3
+        from torch.distributed._tensor import Replicate, Shard
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
 
     unsupported = [p for p in tensor.placements if type(p) not in (Shard, Replicate)]
     if unsupported:
@@ -348,12 +350,11 @@ class PinEngine:
         self._optimizer_names: dict[int, tuple[tuple[int, ...], frozenset[str]]] = {}
         self._optimizers: list[Optimizer] = []
         self._dropped: set[str] = set()
-        self._after_restore: list[Callable[[], None]] = []
-        #: Measure drift and violations at the next restores (set it only on logging steps:
-        #: measuring costs a read of the pinned elements).
-        self.measure = False
-        #: What the last measured restore found; device tensors, nothing synced to the host.
-        self.last_stats: StepStats | None = None
+        self._by_name: dict[frozenset[int], dict[str, Target]] = {}
+        # Observers of each restore: id -> (hook, wants_stats). See register_restore_hook.
+        self._restore_hooks: OrderedDict[int, tuple[Callable[[Optional[StepStats]], None], Callable[[], bool]]] = (
+            OrderedDict()
+        )
 
     @property
     def sharded(self) -> bool:
@@ -374,6 +375,38 @@ class PinEngine:
         return frozenset(
             i for i, rp in enumerate(self.plan.pins) if rp.in_window(step) and (rp.when is None or i in hits)
         )
+
+    def when_hits(
+        self,
+        step: int,
+        batch: Any,
+        batch_idx: int,
+        agree: Callable[[list[bool]], list[bool]] | None = None,
+    ) -> frozenset[int]:
+        """Ids of the ``when`` pins in their window at ``step`` whose ``when`` selects this batch.
+
+        ``agree`` combines the decisions across processes (each sees its own batch, and a pin
+        must hold on every replica or none): an element-wise "any rank" of a list of flags.
+
+        Raises:
+            PinError: a ``when`` answered badly, here or, with ``agree``, on another process (every
+                process raises together rather than leave the others waiting in the reduction).
+        """
+        candidates = [i for i, rp in enumerate(self.plan.pins) if rp.when is not None and rp.in_window(step)]
+        if not candidates:
+            return frozenset()
+        failed: PinError | None = None
+        try:
+            hits = [call_when(self.plan.pins[i], batch, batch_idx) for i in candidates]
+        except PinError as err:
+            failed, hits = err, [False] * len(candidates)
+        if agree is not None:
+            any_failed, *hits = agree([failed is not None, *hits])
+            if any_failed and failed is None:
+                raise PinError(f"a `when` failed on another process at batch {batch_idx} (see its error)")
+        if failed is not None:
+            raise failed
+        return frozenset(i for i, hit in zip(candidates, hits) if hit)
 
     def set_active(self, pin_ids: Iterable[int]) -> list[int]:
         """Make exactly ``pin_ids`` active; activate (capture, force, reset state) those that start.
@@ -409,8 +442,9 @@ class PinEngine:
             self.reset_optimizer_state(optimizer, step_window_pins)
 
     def _forget(self, pin_id: int) -> None:
-        for key in [k for k in self._targets if pin_id in k]:
-            del self._targets[key]
+        for cache in (self._targets, self._by_name):
+            for key in [k for k in cache if pin_id in k]:
+                del cache[key]
 
     # ----------------------------------------------------------------------------------------
     # Targets
@@ -486,6 +520,63 @@ class PinEngine:
         self.restore(optimizer)
         self.park_statistics(optimizer)
 
+    def register_restore_hook(
+        self, hook: Callable[[Optional[StepStats]], None], wants_stats: Callable[[], bool] = lambda: False
+    ) -> RemovableHandle:
+        """Call ``hook(stats)`` after every restore; returns a handle whose ``remove()`` unregisters it.
+
+        ``stats`` is a :class:`StepStats` of that restore when some registered ``wants_stats()``
+        returned True before it (measuring reads the pinned elements twice: ask only on the
+        steps you log), else None.
+        """
+        handle = RemovableHandle(self._restore_hooks)
+        self._restore_hooks[handle.id] = (hook, wants_stats)
+        return handle
+
+    def register_grad_hooks(self) -> list[RemovableHandle]:
+        """Zero the gradients of active pinned elements as soon as backward accumulates them.
+
+        For drivers without an "after backward" moment (plain loops, Fabric): each pinned
+        parameter gets a ``register_post_accumulate_grad_hook``, so pinned gradients are zero when
+        ``loss.backward()`` returns, before any clipping or scaler sees them, on every micro-batch
+        of an accumulation window, and before DDP's reducer reads them (it hooks the same
+        accumulation, after these). Wholly pinned tensors get a zero gradient here (DDP expects
+        one); :meth:`drop_whole_grads` drops it right before the step.
+        """
+        return [
+            parameter.register_post_accumulate_grad_hook(self._grad_hook(name))
+            for name, parameter in self.plan.parameters.items()
+            if parameter.requires_grad
+        ]
+
+    def _grad_hook(self, name: str) -> Callable[[Tensor], None]:
+        def hook(parameter: Tensor) -> None:
+            target = self._targets_by_name().get(name)
+            if target is not None and parameter.grad is not None:
+                with torch.no_grad():
+                    _zero_grad_of(target, parameter.grad)
+
+        return hook
+
+    def _targets_by_name(self) -> dict[str, Target]:
+        by_name = self._by_name.get(self.active)
+        if by_name is None:
+            by_name = self._by_name[self.active] = {t.name: t for t in self.targets()}
+        return by_name
+
+    @torch.no_grad()
+    def drop_whole_grads(self, optimizer: Optimizer | None = None) -> None:
+        """Set the gradients of wholly pinned tensors ``optimizer`` updates (default: all) to None,
+        so torch optimizers skip them, state and weight decay included. Sharded tensors keep a
+        (zero) gradient: FSDP2 needs their optimizer state to exist for distributed checkpoints."""
+        if self.whole_grads != "drop":
+            return
+        for target in self._owned(optimizer):
+            grad = target.parameter.grad
+            if target.index is None and grad is not None and not is_sharded(grad):
+                target.parameter.grad = None
+                self._dropped.add(target.name)
+
     def _owned(self, optimizer: Optimizer | None) -> list[Target]:
         targets = self.targets()
         if optimizer is None:
@@ -500,30 +591,16 @@ class PinEngine:
         Call after backward (and any gradient all-reduce) and before clipping and the step, so
         pinned gradients stay out of momentum, adaptive statistics and the clip norm.
         """
+        self.drop_whole_grads(optimizer)
         for target in self._owned(optimizer):
             grad = target.parameter.grad
-            if grad is None:
-                continue
-            if target.index is None:
-                # Sharded tensors keep a (zero) grad: FSDP2 needs their optimizer state to exist
-                # for distributed checkpoints to load.
-                if self.whole_grads == "drop" and not is_sharded(grad):
-                    target.parameter.grad = None
-                    self._dropped.add(target.name)
-                else:
-                    local_tensor(grad).zero_()
-            else:
-                flat, positions, _ = target.part(grad)
-                # index_fill_, not a multiply: 0 * inf is NaN.
-                fill_at(flat, positions, 0)
+            if grad is not None:
+                _zero_grad_of(target, grad)
 
     @torch.no_grad()
     def restore(self, optimizer: Optimizer | None = None) -> None:
-        """Write the targets of active pins into ``optimizer``'s parameters (default: all).
-
-        With :attr:`measure` set, also records :attr:`last_stats` for this call: how far the
-        update moved the pinned elements, and how many are off target after the restore.
-        """
+        """Write the targets of active pins into ``optimizer``'s parameters (default: all), then
+        call the restore hooks (with this restore's :class:`StepStats` when one asked for them)."""
         owned = self._owned(optimizer)
         skips = optimizer is not None and type(optimizer) in _SKIPS_NONE_GRADS
         # A wholly pinned tensor whose grad was dropped was skipped by such an optimizer: it
@@ -533,13 +610,15 @@ class PinEngine:
             skipped = skips and target.index is None and target.name in self._dropped
             (untouched if skipped else todo).append(target)
         self._dropped.difference_update(t.name for t in owned)
-        moved = [self._deviation(t) for t in todo] if self.measure else None
+        measure = any([wants() for _, wants in self._restore_hooks.values()])
+        moved = [self._deviation(t) for t in todo] if measure else None
         self._write(todo)
+        stats = None
         if moved is not None:
-            self.last_stats = _step_stats(owned, untouched, moved, [self._deviation(t) for t in todo])
+            stats = _step_stats(owned, untouched, moved, [self._deviation(t) for t in todo])
         self.last_step_active = self.active
-        for callback in self._after_restore:
-            callback()
+        for hook, _ in list(self._restore_hooks.values()):
+            hook(stats)
 
     def _deviation(self, target: Target) -> Tensor:
         """``|value - target|`` of the pinned elements of ``target``, flat, in float32 or wider."""
@@ -555,6 +634,27 @@ class PinEngine:
                 view.copy_(values)
             else:
                 copy_at(view, positions, values)
+
+    @property
+    def checked_ids(self) -> frozenset[int]:
+        """The pins whose targets must hold now: those active at the last optimizer step, or
+        before any step, those active now."""
+        return self.last_step_active if self.last_step_active is not None else self.active
+
+    @torch.no_grad()
+    def write_into(self, parameters: Mapping[str, Tensor], pin_ids: Iterable[int] | None = None) -> None:
+        """Write the merged targets of ``pin_ids`` (default: :attr:`checked_ids`) into a copy of the
+        weights (an averaged model), by parameter name; names the copy lacks are skipped."""
+        for target in self.targets(self.checked_ids if pin_ids is None else pin_ids):
+            tensor = parameters.get(target.name)
+            if tensor is None:
+                continue
+            view, positions, values = target.part(tensor.detach())
+            values = values.to(device=view.device, dtype=view.dtype)
+            if positions is None:
+                view.copy_(values)
+            else:
+                copy_at(view, positions.to(view.device), values)
 
     def force(self) -> None:
         """Write the targets of every active pin now (e.g. after loading weights on resume)."""
@@ -674,11 +774,14 @@ class PinEngine:
                 fill_at(view, positions, 0)
 
     def _release_statistics(self, stopped: Iterable[int]) -> None:
-        """Unpark when a step-window pin stops: its elements go on from zero statistics, as before
-        parking existed. Pins still active are parked again after the next step."""
-        if any(self.plan.pins[i].when is None for i in stopped):
+        """When a step-window pin stops, its elements go on from fresh (zero) statistics: unpark,
+        and zero what coupled L2 decay fed into the moments while the gradient was masked. Pins
+        still active are parked again after the next step."""
+        window_pins = [i for i in stopped if self.plan.pins[i].when is None]
+        if window_pins:
             for optimizer in self._optimizers:
                 self._unpark(optimizer)
+                self.reset_optimizer_state(optimizer, window_pins)
 
     def _unpark_before_saving(self, optimizer: Optimizer) -> None:
         # An optimizer state_dict pre-hook: checkpoints hold the statistics parking replaced.
@@ -714,6 +817,14 @@ class PinEngine:
             tensor = target.parameter if parameters is None else parameters.get(target.name)
             if tensor is None:
                 raise PinError(f"verify: the module has no parameter {target.name!r}, which is pinned")
+            if tuple(tensor.shape) != tuple(target.parameter.shape):
+                # Pinned coordinates mean nothing in another shape: say so rather than index past
+                # the end (or, worse, compare other elements that happen to fit).
+                raise PinError(
+                    f"verify: {target.name!r} has shape {tuple(tensor.shape)}, but its pins were resolved on "
+                    f"shape {tuple(target.parameter.shape)}; verify the module that was trained, or resolve "
+                    "the pins again on the new one"
+                )
             tensor = tensor.detach()
             view, positions, values = target.part(tensor)
             actual = view.reshape(-1) if positions is None else view.index_select(0, positions)
@@ -733,44 +844,51 @@ class PinEngine:
     # ----------------------------------------------------------------------------------------
     # Checkpointing
 
-    def state_dict(self) -> dict[str, Any]:
-        """Selections, targets and activity: tensors, lists, dicts and primitives only."""
+    def pin_state(self, step: int | None = None) -> PinState:
+        """Selections, targets (explicit and captured) and activity, as a :class:`PinState`."""
         pins = []
         for pin_id, rp in enumerate(self.plan.pins):
-            entry = {}
-            for name, selection in rp.selections.items():
-                target = selection.values if selection.values is not None else self.captured.get(pin_id, {}).get(name)
-                entry[name] = {
-                    "index": None if selection.index is None else selection.index.detach().cpu().clone(),
-                    "target": None if target is None else target.detach().cpu().clone(),
-                    "explicit": selection.values is not None,
+            captured = self.captured.get(pin_id, {})
+            pins.append(
+                {
+                    name: SavedSelection(
+                        s.index, s.values if s.values is not None else captured.get(name), s.values is not None
+                    )
+                    for name, s in rp.selections.items()
                 }
-            pins.append(entry)
-        return {
-            "version": 1,
-            "fingerprints": [rp.pin.fingerprint() for rp in self.plan.pins],
-            "active": sorted(self.active),
-            "last_step_active": None if self.last_step_active is None else sorted(self.last_step_active),
-            "pins": pins,
-        }
+            )
+        fingerprints = tuple(rp.pin.fingerprint() for rp in self.plan.pins)
+        return PinState(fingerprints, tuple(pins), self.active, self.last_step_active, step)
+
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """:meth:`pin_state` in its saved form: tensors, lists, dicts and primitives only."""
+        return self.pin_state(step).to_dict()
 
     def load_state_dict(
-        self, state: Mapping[str, Any], *, strict: bool = True, warn: Callable[[str], Any] | None = None
-    ) -> None:
-        """Take selections, captured targets and activity from :meth:`state_dict`.
+        self, state: Any, *, strict: bool = True, warn: Callable[[str], Any] | None = None
+    ) -> PinState | None:
+        """Take selections, captured targets and activity from :meth:`state_dict`; return what was read.
 
-        Saved state that does not match the plan raises :class:`PinError` when ``strict``; with
-        ``strict=False`` the mismatching pins are reported through ``warn`` and start afresh.
+        Raises:
+            PinError: with ``strict``, when the saved state is corrupt (:class:`CorruptPinState`) or
+                does not match the plan. With ``strict=False`` both are reported through ``warn``
+                and the affected pins (all of them for a corrupt state) start afresh.
         """
+        warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
+        try:
+            saved = PinState.from_dict(state, where="the checkpoint's pin state")
+        except CorruptPinState as err:
+            if strict:
+                raise
+            warn(f"strict=False: {err}; every pin starts afresh")
+            return None
         problems: list[str] = []
-        saved_pins = list(state.get("pins", []))
-        fingerprints = list(state.get("fingerprints", []))
-        if len(saved_pins) != len(self.plan.pins):
-            problems.append(f"the checkpoint holds {len(saved_pins)} pins, the callback has {len(self.plan.pins)}")
+        if len(saved.pins) != len(self.plan.pins):
+            problems.append(f"the checkpoint holds {len(saved.pins)} pins, the callback has {len(self.plan.pins)}")
         usable: set[int] = set()
-        for pin_id, rp in enumerate(self.plan.pins[: len(saved_pins)]):
-            pin_problems = self._check_saved_pin(pin_id, saved_pins[pin_id])
-            if pin_id < len(fingerprints) and fingerprints[pin_id] != rp.pin.fingerprint():
+        for pin_id, rp in enumerate(self.plan.pins[: len(saved.pins)]):
+            pin_problems = self._check_saved_pin(pin_id, saved.pins[pin_id])
+            if saved.fingerprints[pin_id] != rp.pin.fingerprint():
                 pin_problems.insert(0, "its spec changed")
             if pin_problems:
                 problems.append(f"{rp.pin!r}: " + "; ".join(pin_problems))
@@ -778,42 +896,39 @@ class PinEngine:
                 usable.add(pin_id)
         if problems and strict:
             raise PinError(
-                "the checkpoint's pin state does not match this PinCallback: "
+                "the checkpoint's pin state does not match these pins: "
                 + " | ".join(problems)
                 + ". Resume with the pins the checkpoint was trained with, or pass strict=False to start "
                 "the mismatching pins afresh."
             )
-        warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
         for problem in problems:
-            warn(f"strict=False: PinCallback ignores saved pin state that does not match: {problem}")
+            warn(f"strict=False: ignoring saved pin state that does not match: {problem}")
         for pin_id in usable:
-            rp = self.plan.pins[pin_id]
-            captured = {}
-            for name, selection in rp.selections.items():
-                target = saved_pins[pin_id][name]["target"]
-                if selection.values is None and target is not None:
-                    captured[name] = target.to(device=selection.parameter.device, dtype=selection.parameter.dtype)
+            captured = {
+                name: saved.pins[pin_id][name].target.to(device=s.parameter.device, dtype=s.parameter.dtype)
+                for name, s in self.plan.pins[pin_id].selections.items()
+                if s.values is None and saved.pins[pin_id][name].target is not None
+            }
             if captured:
                 self.captured[pin_id] = captured
                 self._forget(pin_id)
-        self.active = frozenset(i for i in state.get("active", []) if i in usable)
-        last = state.get("last_step_active")
-        self.last_step_active = None if last is None else frozenset(i for i in last if i in usable)
+        self.active = frozenset(saved.active & usable)
+        last = saved.last_step_active
+        self.last_step_active = None if last is None else frozenset(last & usable)
+        return saved
 
-    def _check_saved_pin(self, pin_id: int, saved: Mapping[str, Any]) -> list[str]:
+    def _check_saved_pin(self, pin_id: int, saved: Mapping[str, SavedSelection]) -> list[str]:
         rp = self.plan.pins[pin_id]
         problems = []
         if set(saved) != set(rp.selections):
             return [f"saved for parameters {sorted(saved)}, now matches {sorted(rp.selections)}"]
         for name, selection in rp.selections.items():
-            entry = saved[name]
-            index = entry.get("index")
+            index, target = saved[name].index, saved[name].target
             if (index is None) != (selection.index is None) or (
                 index is not None and not torch.equal(index, selection.index.cpu())
             ):
                 problems.append(f"the selected elements of {name!r} differ")
                 continue
-            target = entry.get("target")
             if target is None:
                 continue
             if tuple(target.shape) != (tuple(selection.parameter.shape) if index is None else (index.numel(),)):
@@ -825,6 +940,16 @@ class PinEngine:
             elif selection.values is not None and not torch.equal(stored, selection.values.cpu()):
                 problems.append(f"the explicit values for {name!r} differ from the saved ones")
         return problems
+
+
+def _zero_grad_of(target: Target, grad: Tensor) -> None:
+    """Zero the pinned elements of ``grad`` (all of it for a whole tensor)."""
+    if target.index is None:
+        local_tensor(grad).zero_()
+    else:
+        flat, positions, _ = target.part(grad)
+        # index_fill_, not a multiply: 0 * inf is NaN.
+        fill_at(flat, positions, 0)
 
 
 #: A refresh interval for statistics that never decay.
@@ -927,8 +1052,3 @@ class _Layout:
         for index, entry_values in zip(self.indices[first + 1 :], values[first + 1 :]):
             copy_at(flat, index, entry_values)
         return None, full
-
-
-def _merge_entries(entries: Sequence[tuple[Tensor | None, Tensor]]) -> tuple[Tensor | None, Tensor]:
-    """Merge ``(index, values)`` entries, later ones winning; ``index=None`` means the whole tensor."""
-    return _Layout.of([index for index, _ in entries]).apply([values for _, values in entries])

@@ -13,6 +13,7 @@ import difflib
 import fnmatch
 import hashlib
 import importlib
+import inspect
 import math
 import numbers
 import re
@@ -25,9 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
-from lightning_pin.core.spec import Pin
-
-_TENSOR_FILE_SUFFIXES = (".pt", ".pth", ".safetensors")
+from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
+from lightning_pin.core.spec import Pin, check_mask, check_value, coordinates, number_leaves, when_path
 
 
 @dataclasses.dataclass
@@ -59,11 +59,67 @@ class ResolvedPin:
     selections: dict[str, Selection]
     #: The resolved ``when`` callable, or None for a pin that is active on every batch of its window.
     when: Callable[[Any, int], bool] | None
+    #: Whether ``when(batch, batch_idx)`` was checked against the signature of ``when`` at resolve
+    #: time. Builtins and some C callables have none: then :func:`call_when` reports a
+    #: ``TypeError`` raised by the call itself as a :class:`PinError`.
+    when_signature_checked: bool = True
 
     def in_window(self, step: int) -> bool:
         """Whether optimizer step ``step`` falls in ``[start_step, stop_step)``."""
         stop = self.pin.stop_step
         return self.pin.start_step <= step and (stop is None or step < stop)
+
+
+def call_when(rp: ResolvedPin, batch: Any, batch_idx: int) -> bool:
+    """Whether ``rp``'s ``when`` holds for this batch: call it and check what it returned.
+
+    ``when`` must return a ``bool`` (``numpy.bool_`` too) or a 0-d bool tensor. Anything else,
+    such as ``"no"`` (truthy), ``None`` from a forgotten ``return``, ``1``, or a tensor of several
+    elements, raises :class:`PinError` naming the pin and what it returned: a truthiness guess
+    would pin (or free) elements the user did not mean to. Call it before the batch's optimizer
+    step, so a bad ``when`` stops training before any weight moves on its word.
+
+    A ``when`` decides on the host: a 0-d bool tensor on an accelerator is read back here (one
+    device-to-host copy per ``when`` pin and batch, inherent to deciding per batch in Python).
+    Exceptions raised inside ``when`` propagate unchanged, except a ``TypeError`` from calling a
+    ``when`` whose signature could not be checked at resolve time (a builtin), which becomes a
+    :class:`PinError` naming the expected ``(batch, batch_idx)``.
+    """
+    when = rp.when
+    if when is None:
+        return True
+    if rp.when_signature_checked:
+        result = when(batch, batch_idx)
+    else:
+        try:
+            result = when(batch, batch_idx)
+        except TypeError as err:
+            raise PinError(
+                f"{rp.pin!r}: when={_when_name(rp)} cannot be called as when(batch, batch_idx): {err}; give a "
+                "callable of two arguments (batch, batch_idx) that returns a bool"
+            ) from err
+    if isinstance(result, bool):
+        return result
+    if isinstance(result, Tensor):
+        if result.dtype == torch.bool and result.ndim == 0:
+            return bool(result)  # a host read: `when` decides on the host
+        got = f"a tensor of shape {tuple(result.shape)} and dtype {result.dtype}"
+        hint = " (reduce it with .all() / .any())" if result.dtype == torch.bool else ""
+    elif type(result).__module__ == "numpy" and type(result).__name__ in ("bool_", "bool"):
+        return bool(result)
+    else:
+        got = f"{_clip(result)} ({type(result).__name__})"
+        hint = " (a missing `return`?)" if result is None else ""
+    raise PinError(
+        f"{rp.pin!r}: when={_when_name(rp)} returned {got} for batch {batch_idx}{hint}; it must return a bool or "
+        "a 0-d bool tensor (True: the pin holds for this batch)"
+    )
+
+
+def _when_name(rp: ResolvedPin) -> str:
+    if isinstance(rp.pin.when, str):
+        return repr(rp.pin.when)
+    return getattr(rp.when, "__qualname__", None) or repr(rp.when)
 
 
 @dataclasses.dataclass
@@ -75,6 +131,9 @@ class PinPlan:
     parameters: dict[str, nn.Parameter]
     #: Elements of the module that require grad (the "trainable" total of the summary).
     trainable_elements: int
+    #: Other names of tied parameters, by the name the plan uses (the first one
+    #: ``named_parameters()`` yields): ``{"emb.weight": ["dec.weight"]}``. Pinning one pins all.
+    aliases: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def pinned_counts(self) -> dict[str, int]:
         """Per parameter, how many distinct elements any pin selects (at any time)."""
@@ -111,7 +170,8 @@ class PinPlan:
                 if name in rp.selections:
                     hows.append(_describe(rp, rp.selections[name]))
             shape = "x".join(map(str, parameter.shape)) or "scalar"
-            rows.append((name, shape, f"{parameter.numel():,}", f"{counts[name]:,}", "; ".join(hows)))
+            shown = name if name not in self.aliases else f"{name} (= {', '.join(self.aliases[name])})"
+            rows.append((shown, shape, f"{parameter.numel():,}", f"{counts[name]:,}", "; ".join(hows)))
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths)) + "  " + row[4] for row in rows]
         pinned = sum(counts.values())
@@ -142,79 +202,107 @@ def resolve(
 ) -> PinPlan:
     """Resolve ``pins`` on the parameters of ``module`` into a :class:`PinPlan`.
 
-    Raises :class:`PinError` naming the offending pin for every input that cannot be honoured.
     Values that the parameter's dtype can only approximate are pinned to the nearest
     representable value, and ``warn`` (default :func:`warnings.warn`) is told what will be stored.
+
+    Raises:
+        PinError: naming the offending pin, for every input that cannot be honoured: a pattern that
+            matches no parameter (with the closest names), conflicting fields, indices or a mask
+            that do not fit the parameter, values of the wrong count or shape or not representable
+            in its dtype (NaN, infinities, overflow), a missing or unreadable ``mask`` / ``value``
+            file, a ``when`` that cannot be imported, or two pins that give one element different
+            values at steps that can overlap.
     """
     warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
-    named = dict(module.named_parameters())
+    named, aliases = tied_names(module)
     files: dict[str, Any] = {}
     resolved: list[ResolvedPin] = []
     for pin in pins:
         if not isinstance(pin, Pin):
             raise PinError(f"expected a Pin, got {type(pin).__name__}: {pin!r}")
-        when = _check_pin_fields(pin)
+        when = resolve_when(pin)
+        checked = _check_when_signature(pin, when)
         selections: dict[str, Selection] = {}
-        matched = _match(pin, named)
+        matched = _match(pin, named, aliases, warn)
         for name in matched:
-            selection = _select(pin, name, named[name], files, matched)
-            selection.values = _targets(pin, selection, files, warn, matched)
+            selection = _select(pin, name, named[name], files, matched, aliases)
+            selection.values = _targets(pin, selection, files, warn, matched, aliases)
             if selection.index is not None:
                 selection.index = compact_index(selection.index, named[name].numel()).to(named[name].device)
             selections[name] = selection
-        resolved.append(ResolvedPin(pin, selections, when))
-    _check_conflicts(resolved)
+        resolved.append(ResolvedPin(pin, selections, when, checked))
+    check_conflicts(resolved)
     parameters = {name: named[name] for name in named if any(name in rp.selections for rp in resolved)}
     trainable = sum(p.numel() for p in named.values() if p.requires_grad)
-    return PinPlan(resolved, parameters, trainable)
+    return PinPlan(resolved, parameters, trainable, {n: aliases[n] for n in parameters if aliases.get(n)})
 
 
-# --------------------------------------------------------------------------------------------
-# Fields that need no module
+def tied_names(module: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, list[str]]]:
+    """Parameters by name, one entry per tensor, and the other names of tied ones.
 
-
-def _check_pin_fields(pin: Pin) -> Callable[[Any, int], bool] | None:
-    patterns = pin.patterns
-    if not patterns or not all(isinstance(p, str) and p for p in patterns):
-        raise PinError(f"{pin!r}: params must be a non-empty string or list of strings, got {pin.params!r}")
-    given = [k for k in ("indices", "mask", "fraction") if getattr(pin, k) is not None]
-    if len(given) > 1:
-        raise PinError(f"{pin!r}: give at most one of indices / mask / fraction, got {' and '.join(given)}")
-    if pin.fraction is not None:
-        f = pin.fraction
-        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not (0 < float(f) <= 1):
-            raise PinError(f"{pin!r}: fraction must be a number in (0, 1], got {f!r}")
-    if isinstance(pin.seed, bool) or not isinstance(pin.seed, numbers.Integral):
-        raise PinError(f"{pin!r}: seed must be an integer, got {pin.seed!r}")
-    start, stop = pin.start_step, pin.stop_step
-    if isinstance(start, bool) or not isinstance(start, numbers.Integral) or start < 0:
-        raise PinError(f"{pin!r}: start_step must be an integer >= 0, got {start!r}")
-    if stop is not None and (isinstance(stop, bool) or not isinstance(stop, numbers.Integral) or stop <= start):
-        raise PinError(f"{pin!r}: stop_step must be None or an integer > start_step ({start}), got {stop!r}")
-    return resolve_when(pin)
+    A tensor registered under several names (tied weights: a language model's decoder is its
+    word embedding) is kept under the first name ``named_parameters()`` yields, the name
+    ``module.named_parameters()`` and ``state_dict`` loading use; its other names map to it in
+    ``aliases``.
+    """
+    named: dict[str, nn.Parameter] = {}
+    first: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        canonical = first.setdefault(id(parameter), name)
+        if canonical == name:
+            named[name] = parameter
+        else:
+            aliases.setdefault(canonical, []).append(name)
+    return named, aliases
 
 
 def resolve_when(pin: Pin) -> Callable[[Any, int], bool] | None:
-    """The pin's ``when`` as a callable: import a ``"module.attr"`` / ``"module:attr"`` path."""
-    when = pin.when
-    if when is None or callable(when):
-        return when
-    if isinstance(when, str):
-        module_name, sep, attr = when.partition(":") if ":" in when else when.rpartition(".")
-        if not sep or not module_name or not attr:
-            raise PinError(f"{pin!r}: when={when!r} is not an import path; write 'package.module.function'")
-        try:
-            target: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                target = getattr(target, part)
-        except (ImportError, AttributeError) as err:
-            raise PinError(
-                f"{pin!r}: cannot import when={when!r}: {err}; give 'package.module.function' of a function "
-                "importable in every process"
-            ) from err
-        if callable(target):
-            return target
-    raise PinError(f"{pin!r}: when must be callable(batch, batch_idx) -> bool or its import path, got {when!r}")
+    """The pin's ``when`` as a callable: import a ``"module.attr"`` / ``"module:attr"`` path.
+
+    Raises:
+        PinError: the path cannot be imported, or leads to something that is not callable (a
+            path that is no import path at all is refused when the Pin is built).
+    """
+    path = when_path(pin)  # checked at construction: None here means a callable or None
+    if path is None:
+        return pin.when
+    module_name, attr = path
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as err:
+        raise PinError(
+            f"{pin!r}: cannot import when={pin.when!r}: {err}; give 'package.module.function' of a function "
+            "importable in every process"
+        ) from err
+    if not callable(target):
+        raise PinError(
+            f"{pin!r}: when must be callable(batch, batch_idx) -> bool or its import path, got {pin.when!r}, "
+            f"which is {type(target).__name__} {_clip(target)}"
+        )
+    return target
+
+
+def _check_when_signature(pin: Pin, when: Callable[..., Any] | None) -> bool:
+    """Whether ``when(batch, batch_idx)`` could be checked against ``when``'s signature (it can't
+    for some builtins); raise :class:`PinError` if the signature does not take those two."""
+    if when is None:
+        return True
+    try:
+        signature = inspect.signature(when)
+    except (TypeError, ValueError):
+        return False
+    try:
+        signature.bind(None, 0)
+    except TypeError as err:
+        name = repr(pin.when) if isinstance(pin.when, str) else getattr(when, "__qualname__", repr(when))
+        raise PinError(
+            f"{pin!r}: when={name} has the signature {signature}, which cannot be called as "
+            f"when(batch, batch_idx) ({err}); give a callable of two arguments (batch, batch_idx) that returns a bool"
+        ) from err
+    return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,31 +314,44 @@ def _strip_compile_prefix(name: str) -> str:
     return name.replace("_orig_mod.", "")
 
 
-def _match(pin: Pin, named: Mapping[str, nn.Parameter]) -> list[str]:
-    matched: list[str] = []
+def _match(
+    pin: Pin, named: Mapping[str, nn.Parameter], aliases: Mapping[str, Sequence[str]], warn: Callable[[str], Any]
+) -> list[str]:
+    """The (first) names of the parameters ``pin``'s patterns match, by any of their names."""
+    canonical = {alias: name for name, others in aliases.items() for alias in others}
+    every_name = list(named) + list(canonical)
+    reached: dict[str, set[str]] = {}  # first name -> the names the patterns reached it by
     for pattern in pin.patterns:
         if pattern.startswith("re:"):
-            try:
-                regex = re.compile(pattern[3:])
-            except re.error as err:
-                raise PinError(f"{pin!r}: {pattern!r} is not a valid regular expression: {err}") from err
-            hits = [n for n in named if regex.fullmatch(n) or regex.fullmatch(_strip_compile_prefix(n))]
+            regex = re.compile(pattern[3:])  # valid: checked when the Pin was built
+            hits = [n for n in every_name if regex.fullmatch(n) or regex.fullmatch(_strip_compile_prefix(n))]
         else:
             hits = [
                 n
-                for n in named
+                for n in every_name
                 if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(_strip_compile_prefix(n), pattern)
             ]
         if not hits:
-            close = difflib.get_close_matches(pattern.removeprefix("re:"), list(named), n=5, cutoff=0.3)
-            hint = f"closest names: {close}" if close else f"parameter names start with: {list(named)[:5]}"
+            close = difflib.get_close_matches(pattern.removeprefix("re:"), every_name, n=5, cutoff=0.3)
+            hint = f"closest names: {close}" if close else f"parameter names start with: {every_name[:5]}"
             raise PinError(
                 f"{pin!r}: pattern {pattern!r} matches no parameter of the module being trained "
                 f"({len(named)} parameters); {hint}. "
                 "Globs and 're:' patterns must match the whole name."
             )
-        matched.extend(h for h in hits if h not in matched)
-    return matched
+        for hit in hits:
+            reached.setdefault(canonical.get(hit, hit), set()).add(hit)
+    for name, by in reached.items():
+        others = [n for n in (name, *aliases.get(name, ())) if n not in by]
+        if others:
+            # Pinning a tied tensor pins it under every name: say so, or a pattern meant for a
+            # head (`cls.*`) silently freezes the embedding it shares a tensor with.
+            shown = " and ".join(repr(n) for n in sorted(by))
+            warn(
+                f"{pin!r}: {shown} is the same tensor as {', '.join(repr(n) for n in others)} (tied weights): "
+                f"pinning it pins {'both' if len(by) + len(others) == 2 else 'all of them'}"
+            )
+    return list(reached)  # pattern by pattern, each in named_parameters() order
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,29 +359,31 @@ def _match(pin: Pin, named: Mapping[str, nn.Parameter]) -> list[str]:
 
 
 def _select(
-    pin: Pin, name: str, parameter: nn.Parameter, files: dict[str, Any], matched: Sequence[str]
+    pin: Pin,
+    name: str,
+    parameter: nn.Parameter,
+    files: dict[str, Any],
+    matched: Sequence[str],
+    aliases: Mapping[str, Sequence[str]],
 ) -> Selection:
     shape = tuple(parameter.shape)
     if pin.indices is not None:
-        flat = _flat_from_indices(pin, name, shape, pin.indices)
+        flat = _flat_from_indices(pin, name, shape)
         how = "indices"
     elif pin.mask is not None:
-        mask = _by_name(pin, "mask", name, _load(pin, "mask", pin.mask, files), matched)
-        if not isinstance(mask, Tensor):
-            raise PinError(f"{pin!r}: mask for {name!r} must be a bool tensor of shape {shape}, got {type(mask).__name__}")
-        if mask.dtype != torch.bool:
-            raise PinError(f"{pin!r}: mask for {name!r} has dtype {mask.dtype}; it must be torch.bool (mask.bool())")
+        mask = _by_name(pin, "mask", name, _load(pin, "mask", pin.mask, files), matched, aliases)
+        # Type, dtype and emptiness: of a mask from a file or a dict entry, checked here once more.
+        check_mask(pin, mask, f" for {name!r}")
         if tuple(mask.shape) != shape:
             raise PinError(f"{pin!r}: mask for {name!r} has shape {tuple(mask.shape)}; the parameter's shape is {shape}")
         flat = mask.detach().reshape(-1).cpu().nonzero().squeeze(1)
         how = "mask"
     elif pin.fraction is not None:
+        # Seeded with the first name of a tied tensor: any of its names selects the same elements.
         flat = fraction_indices(name, parameter.numel(), float(pin.fraction), int(pin.seed))
         how = f"fraction {pin.fraction:g} (seed {pin.seed})"
     else:
         return Selection(name, parameter, None, None, "whole")
-    if flat.numel() == 0:
-        raise PinError(f"{pin!r}: selects no element of {name!r}; select at least one or drop the pin")
     # Keep the user's order (on the CPU) for now: value sequences follow it. _targets sorts and
     # dedupes, and resolve() moves the index to the parameter's device.
     return Selection(name, parameter, flat, None, how)
@@ -345,35 +448,18 @@ def name_seed(name: str, seed: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
 
 
-def _flat_from_indices(pin: Pin, name: str, shape: tuple[int, ...], indices: Any) -> Tensor:
+def _flat_from_indices(pin: Pin, name: str, shape: tuple[int, ...]) -> Tensor:
     ndim = len(shape)
-    if isinstance(indices, Tensor):
-        if indices.dtype == torch.bool:
-            raise PinError(f"{pin!r}: indices is a bool tensor; pass it as mask= instead")
-        if indices.is_floating_point() or indices.is_complex():
-            raise PinError(f"{pin!r}: indices must hold integers, got dtype {indices.dtype}")
-        coords = indices.detach().cpu().to(torch.int64)
-    else:
-        if isinstance(indices, (str, bytes)) or not isinstance(indices, Sequence):
-            raise PinError(f"{pin!r}: indices must be a list of tuples or an integer tensor, got {indices!r}")
-        rows = [tuple(row) if isinstance(row, Sequence) else row for row in indices]
-        if not all(_is_int(x) for row in rows for x in (row if isinstance(row, tuple) else (row,))):
-            raise PinError(f"{pin!r}: indices must hold integers, got {_clip(indices)}")
-        try:
-            coords = torch.tensor(rows, dtype=torch.int64)
-        except (TypeError, ValueError) as err:
-            raise PinError(f"{pin!r}: indices rows must all have {ndim} entries for {name!r} {shape}: {err}") from err
+    coords = coordinates(pin)  # integers, rectangular, >= 0, not empty: checked when the Pin was built
     if coords.ndim == 1 and ndim == 1:
         coords = coords.unsqueeze(1)
-    if coords.ndim == 1 and coords.numel() == 0:
-        coords = coords.reshape(0, ndim)
     if coords.ndim != 2 or coords.shape[1] != ndim:
         raise PinError(
             f"{pin!r}: indices for {name!r} must be k rows of {ndim} coordinates (the parameter's shape is "
             f"{shape}), got shape {tuple(coords.shape)}"
         )
     sizes = torch.tensor(shape, dtype=torch.int64)
-    bad = ((coords < 0) | (coords >= sizes)).any(dim=1)
+    bad = (coords >= sizes).any(dim=1)
     if bad.any():
         rows = coords[bad][:5].tolist()
         raise PinError(
@@ -398,11 +484,21 @@ def _clip(value: Any) -> str:
 
 
 def _targets(
-    pin: Pin, selection: Selection, files: dict[str, Any], warn: Callable[[str], Any], matched: Sequence[str]
+    pin: Pin,
+    selection: Selection,
+    files: dict[str, Any],
+    warn: Callable[[str], Any],
+    matched: Sequence[str],
+    aliases: Mapping[str, Sequence[str]],
 ) -> Tensor | None:
     """Sort and dedupe ``selection.index`` in place, and return its explicit targets (or None)."""
     name, parameter = selection.name, selection.parameter
-    raw = None if pin.value is None else _by_name(pin, "value", name, _load(pin, "value", pin.value, files), matched)
+    raw = None
+    if pin.value is not None:
+        raw = _by_name(pin, "value", name, _load(pin, "value", pin.value, files), matched, aliases)
+        if isinstance(pin.value, (str, Path)):
+            # Values given in memory were checked when the Pin was built; a file's only now.
+            check_value(pin, raw, f" for {name!r}")
     values = None if raw is None else _value_tensor(pin, selection, raw, warn)
     if selection.index is not None:
         order = torch.argsort(selection.index, stable=True)
@@ -427,19 +523,13 @@ def _value_tensor(pin: Pin, selection: Selection, raw: Any, warn: Callable[[str]
     name, parameter = selection.name, selection.parameter
     shape = tuple(parameter.shape)
     count = parameter.numel() if selection.index is None else selection.index.numel()
-    if isinstance(raw, bool) or (isinstance(raw, Tensor) and raw.dtype == torch.bool):
-        raise PinError(f"{pin!r}: value must be numeric, got a bool")
-    if isinstance(raw, Tensor):
-        values = raw.detach().cpu()
-    elif isinstance(raw, numbers.Real) or (isinstance(raw, Sequence) and not isinstance(raw, (str, bytes))):
-        values = _numbers_tensor(pin, name, raw, warn)
-    else:
+    if callable(raw) and not isinstance(raw, Tensor):
         raise PinError(
-            f"{pin!r}: value must be None, a number, a sequence, a tensor, a dict by parameter name or a "
-            f".pt / .safetensors path; got {type(raw).__name__}"
+            f"{pin!r}: value for {name!r} is a generator ({type(raw).__name__}) that was never turned into "
+            "numbers; lightning_pin.app.pins.realize(pin, model) draws them, or give numbers or a tensor"
         )
-    if values.is_complex():
-        raise PinError(f"{pin!r}: complex values are not supported")
+    # Numbers (no bools, no complex, finite) or a tensor of them: see spec.check_value.
+    values = raw.detach().cpu() if isinstance(raw, Tensor) else _numbers_tensor(pin, name, raw, warn)
     if values.ndim == 0:
         values = values.expand(shape) if selection.index is None else values.expand(count)
         return values.clone()
@@ -462,9 +552,7 @@ def _value_tensor(pin: Pin, selection: Selection, raw: Any, warn: Callable[[str]
 
 def _numbers_tensor(pin: Pin, name: str, raw: Any, warn: Callable[[str], Any]) -> Tensor:
     """Python numbers as a tensor without losing digits: int64 if all are ints, else float64."""
-    leaves = list(_leaves(raw))
-    if any(isinstance(x, bool) for x in leaves):
-        raise PinError(f"{pin!r}: value for {name!r} holds bools; pin numbers (e.g. 1.0 / 0.0)")
+    leaves = list(number_leaves(raw))
     try:
         if all(_is_int(x) for x in leaves) and all(-(2**63) <= x < 2**63 for x in leaves):
             return torch.tensor(raw, dtype=torch.int64)
@@ -481,23 +569,30 @@ def _numbers_tensor(pin: Pin, name: str, raw: Any, warn: Callable[[str], Any]) -
         raise PinError(f"{pin!r}: value for {name!r} is not a number or a numeric sequence: {err}") from err
 
 
-def _leaves(raw: Any) -> Iterable[Any]:
-    if isinstance(raw, Sequence) and not isinstance(raw, (str, bytes)):
-        for item in raw:
-            yield from _leaves(item)
-    else:
-        yield raw
+def check_targets_fit(plan: PinPlan, dtype: torch.dtype) -> None:
+    """Check that every explicit target of a floating parameter survives a cast to ``dtype``, for a
+    trainer that is about to cast the parameters (Lightning's ``precision="16-true"``).
+
+    Raises:
+        PinError: a target overflows ``dtype`` (the same message as resolving on a cast module).
+    """
+    for rp in plan.pins:
+        for name, selection in rp.selections.items():
+            if selection.values is not None and selection.parameter.is_floating_point():
+                cast = torch.empty(0, dtype=dtype, device=selection.values.device)
+                _to_dtype(rp.pin, name, selection.values, cast, lambda message: None)
 
 
-def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: nn.Parameter, warn: Callable[[str], Any]) -> Tensor:
-    """Cast targets to the parameter's dtype: reject NaN, inf and overflow; warn when rounded."""
+def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: Tensor, warn: Callable[[str], Any]) -> Tensor:
+    """Cast targets to the parameter's dtype: reject overflow; warn when rounded.
+
+    ``values`` are finite (NaN and inf are rejected by :func:`~lightning_pin.core.spec.check_value`).
+    """
     dtype = parameter.dtype
     if not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool:
         # Integer parameters (quantized weights): a cast would wrap out-of-range values around.
         info = torch.iinfo(dtype)
         wide = values.to(torch.float64) if values.is_floating_point() else values
-        if values.is_floating_point() and not torch.isfinite(wide).all():
-            raise PinError(f"{pin!r}: value for {name!r} holds non-finite numbers; pin finite values")
         outside = (wide < info.min) | (wide > info.max)
         if outside.any():
             bad = wide[outside][:3].tolist()
@@ -506,9 +601,6 @@ def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: nn.Parameter, warn
         stored = values.to(dtype)
     else:
         wide = values.to(torch.float64)
-        if not torch.isfinite(wide).all():
-            bad = wide[~torch.isfinite(wide)][:3].tolist()
-            raise PinError(f"{pin!r}: value for {name!r} holds non-finite numbers {bad}; pin finite values")
         stored = values.to(dtype)
         if dtype.is_floating_point and not torch.isfinite(stored).all():
             big = wide[~torch.isfinite(stored)][:3].tolist()
@@ -539,44 +631,63 @@ def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: nn.Parameter, warn
 
 
 def _load(pin: Pin, field: str, source: Any, files: dict[str, Any]) -> Any:
+    """``source`` itself, or what the file it names holds (read once per resolve, shared by pins)."""
     if not isinstance(source, (str, Path)):
         return source
-    path = Path(source).expanduser()
-    key = str(path)
+    key = str(Path(source).expanduser())
     if key not in files:
-        if path.suffix not in _TENSOR_FILE_SUFFIXES:
-            raise PinError(f"{pin!r}: {field} file {str(source)!r} must end in one of {_TENSOR_FILE_SUFFIXES}")
-        if not path.is_file():
-            raise PinError(
-                f"{pin!r}: {field} file {str(source)!r} does not exist (relative paths are taken from "
-                f"{Path.cwd()}); give the path of an existing .pt or .safetensors file"
-            )
         try:
-            if path.suffix == ".safetensors":
-                from safetensors.torch import load_file
-
-                files[key] = load_file(str(path), device="cpu")
-            else:
-                files[key] = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # any reader error is a bad input file
+            files[key] = load_tensors(key)
+        except TensorFileError as err:
+            what = f"{pin!r}: {field} file {str(source)!r}"
+            if err.reason == "suffix":
+                raise PinError(f"{what} must end in one of {TENSOR_FILE_SUFFIXES}") from err
+            if err.reason == "missing":
+                raise PinError(
+                    f"{what} does not exist (relative paths are taken from {Path.cwd()}); give the path of an "
+                    "existing .pt or .safetensors file"
+                ) from err
             raise PinError(f"{pin!r}: cannot read {field} file {str(source)!r}: {err}") from err
     return files[key]
 
 
-def _by_name(pin: Pin, field: str, name: str, source: Any, matched: Sequence[str]) -> Any:
-    """Pick ``name``'s entry from a dict keyed by parameter name.
+def _by_name(
+    pin: Pin, field: str, name: str, source: Any, matched: Sequence[str], aliases: Mapping[str, Sequence[str]]
+) -> Any:
+    """Pick ``name``'s entry from a dict keyed by parameter name (any name of a tied tensor).
 
     A single-entry dict under another key (a one-tensor .safetensors file, say) serves a pin that
     matches exactly one parameter.
     """
     if not isinstance(source, Mapping):
         return source
-    for key in (name, _strip_compile_prefix(name)):
-        if key in source:
-            return source[key]
+    found: dict[str, Any] = {}
+    for each in (name, *aliases.get(name, ())):
+        key = next((k for k in (each, _strip_compile_prefix(each)) if k in source), None)
+        if key is not None:
+            found[key] = source[key]
+    if found:
+        first_key, first = next(iter(found.items()))
+        for key, entry in list(found.items())[1:]:
+            # A state_dict of a tied model holds the tensor under every name: fine if they agree.
+            if not _same_entry(first, entry):
+                raise PinError(
+                    f"{pin!r}: {field} has different entries for {first_key!r} and {key!r}, which are the same "
+                    "tensor (tied weights); give one"
+                )
+        return first
     if len(source) == 1 and len(matched) == 1:
         return next(iter(source.values()))
     raise PinError(f"{pin!r}: {field} has no entry for parameter {name!r}; its keys are {sorted(source)[:10]}")
+
+
+def _same_entry(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    try:
+        return bool(a == b)
+    except Exception:  # exotic entries that cannot compare: treat as different
+        return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -589,7 +700,7 @@ def _windows_overlap(a: Pin, b: Pin) -> bool:
     return max(a.start_step, b.start_step) < min(a_stop, b_stop)
 
 
-def _check_conflicts(pins: Sequence[ResolvedPin]) -> None:
+def check_conflicts(pins: Sequence[ResolvedPin]) -> None:
     """Two pins may not give one element different explicit values at times that can overlap."""
     for i, first in enumerate(pins):
         for second in pins[i + 1 :]:
@@ -622,3 +733,22 @@ def _common(a: Selection, b: Selection) -> tuple[Tensor, Tensor]:
     shared = a.index[in_b]
     return a.values[in_b], b.values[torch.searchsorted(b.index, shared)]
 
+
+def refuse_sparse_gradients(plan: PinPlan, module: nn.Module) -> None:
+    """Element pins need dense gradients to mask; whole-tensor pins drop the gradient and need none.
+
+    Raises:
+        PinError: an element pin sits on the weight of an ``nn.Embedding`` / ``nn.EmbeddingBag``
+            with ``sparse=True``.
+    """
+    element_pinned = {
+        name for rp in plan.pins for name, selection in rp.selections.items() if selection.index is not None
+    }
+    for module_name, child in module.named_modules():
+        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse:
+            name = f"{module_name}.weight" if module_name else "weight"
+            if name in element_pinned:
+                raise PinError(
+                    f"{name!r} gets sparse gradients ({type(child).__name__}(sparse=True)), which element pins "
+                    "cannot mask; use sparse=False, or pin the whole tensor"
+                )

@@ -1,9 +1,13 @@
-"""What to pin: :class:`Pin`, pure data.
+"""What to pin: :class:`Pin`, pure data, checked when built.
 
-A ``Pin`` only records what the user asked for. Nothing here looks at a model: resolving a pin
-against the parameters of the module being trained, and every check that needs them, lives in
+A ``Pin`` records what the user asked for and, like Lightning's callbacks in ``__init__``, rejects
+at construction every mistake that needs no model: types, ranges, combinations of fields,
+non-finite values. Nothing here looks at a model: resolving a pin against the parameters of the
+module being trained, and every check that needs them (names, shapes, dtypes, files), lives in
 :mod:`lightning_pin.core.plan`, so a spec can be written (or composed by Hydra) long before a model
-exists.
+exists. The checks of tensors and values that may also come from files (:func:`check_mask`,
+:func:`check_value`, :func:`coordinates`) are here once and called again by the plan on what it
+loads.
 """
 
 from __future__ import annotations
@@ -11,7 +15,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+import math
+import numbers
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Union
 
 import torch
@@ -49,10 +57,25 @@ class Pin:
         stop_step: The pin is active up to this step, exclusive; ``None`` means to the end.
         when: Optional ``callable(batch, batch_idx) -> bool`` (or the import path of one, such as
             ``"mypkg.schedules.task_b"``, which travels to spawned processes and into configs):
-            the pin is active only for the batches where it returns ``True``.
+            the pin is active only for the batches where it returns ``True``. It must return a
+            ``bool`` or a 0-d bool tensor (anything else, ``None`` from a forgotten ``return``
+            included, raises :class:`~lightning_pin.PinError` before that batch's step). It is
+            called once per batch on the host: a device tensor result costs one host read.
 
     At most one of ``indices``, ``mask`` and ``fraction`` may be given; none of them pins the
-    whole tensor.
+    whole tensor. Building a ``Pin`` checks nothing, since most checks need the model:
+    :func:`~lightning_pin.core.plan.resolve` (at fit start, or in :func:`~lightning_pin.pin`)
+    raises :class:`~lightning_pin.PinError` naming the pin and what would be right.
+
+    Raises:
+        PinError: At construction, for every mistake that needs no model: ``params`` not a
+            non-empty pattern or list of patterns (or an invalid ``"re:"`` expression), more than
+            one of ``indices`` / ``mask`` / ``fraction``, ``indices`` that are not integers,
+            negative or empty, a ``mask`` that is not bool or selects nothing, ``fraction``
+            outside ``(0, 1]``, a ``seed`` or step that is not an integer, ``start_step < 0``,
+            ``stop_step <= start_step``, a ``value`` that is a bool, complex, NaN or infinite,
+            or a ``when`` that is neither callable nor an import path. What depends on the model
+            (names, shapes, dtypes, files) is checked when the pin is resolved, before any step.
 
     Example::
 
@@ -80,10 +103,15 @@ class Pin:
         for name in _FIELDS:
             if name != "when":
                 object.__setattr__(self, name, _plain(getattr(self, name)))
+        _check_fields(self)
 
     @classmethod
     def from_config(cls, config: Pin | Mapping[str, Any]) -> Pin:
-        """Build a ``Pin`` from a ``Pin`` or from a mapping with the same keys (Hydra / YAML)."""
+        """Build a ``Pin`` from a ``Pin`` or from a mapping with the same keys (Hydra / YAML).
+
+        Raises:
+            PinError: ``config`` is neither, has keys that are not fields of ``Pin``, or has no ``params``.
+        """
         if isinstance(config, Pin):
             return config
         if not isinstance(config, Mapping):
@@ -196,3 +224,198 @@ def _feed(digest: Any, value: Any) -> None:
     else:
         text = repr(value)
         digest.update(f"{type(value).__name__}:{text if ' at 0x' not in text else ''}".encode())
+
+
+# --------------------------------------------------------------------------------------------
+# Checks that need no module: run once at construction. check_mask, check_value and coordinates
+# are called again by the plan on masks, values and indices it reads from files or dicts.
+
+def _check_fields(pin: Pin) -> None:
+    _check_params(pin)
+    given = [k for k in ("indices", "mask", "fraction") if getattr(pin, k) is not None]
+    if len(given) > 1:
+        raise PinError(f"{pin!r}: give at most one of indices / mask / fraction, got {' and '.join(given)}")
+    if pin.indices is not None:
+        coordinates(pin)
+    if pin.mask is not None:
+        if isinstance(pin.mask, Mapping):
+            # Entries for parameters the pin may never match: their emptiness is checked when
+            # (and if) they are used.
+            for key, entry in pin.mask.items():
+                check_mask(pin, entry, f" for {key!r}", require_any=False)
+        else:
+            check_mask(pin, pin.mask)
+    if pin.fraction is not None:
+        f = pin.fraction
+        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not (0 < float(f) <= 1):
+            raise PinError(f"{pin!r}: fraction must be a number in (0, 1], got {f!r}")
+    if not _is_int(pin.seed):
+        raise PinError(f"{pin!r}: seed must be an integer, got {pin.seed!r}")
+    start, stop = pin.start_step, pin.stop_step
+    if not _is_int(start) or start < 0:
+        raise PinError(f"{pin!r}: start_step must be an integer >= 0, got {start!r}")
+    if stop is not None and (not _is_int(stop) or stop <= start):
+        raise PinError(f"{pin!r}: stop_step must be None or an integer > start_step ({start}), got {stop!r}")
+    if isinstance(pin.value, Mapping):
+        for key, entry in pin.value.items():
+            check_value(pin, entry, f" for {key!r}")
+    else:
+        check_value(pin, pin.value)
+    when_path(pin)
+
+
+def _check_params(pin: Pin) -> None:
+    params = pin.params
+    patterns = [params] if isinstance(params, str) else list(params) if isinstance(params, (list, tuple)) else None
+    if not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise PinError(
+            f"{pin!r}: params must be a non-empty string or list of strings (globs over parameter names, "
+            f"e.g. 'encoder.*'), got {_clip(params)}"
+        )
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as err:
+                raise PinError(f"{pin!r}: {pattern!r} is not a valid regular expression: {err}") from err
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_bool(x: Any) -> bool:
+    # numpy's bool is no subclass of bool (and no number): recognise it without importing numpy.
+    return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool"))
+
+
+def _clip(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def coordinates(pin: Pin) -> torch.Tensor:
+    """``pin.indices`` as an int64 CPU tensor of shape ``(k, n)`` or ``(k,)``, checked.
+
+    Rejects what is wrong whatever the parameter: not integers, ragged rows, negative
+    coordinates, no element at all. Ranks and upper bounds depend on the parameter's shape and
+    are checked by the plan.
+    """
+    indices = pin.indices
+    if isinstance(indices, torch.Tensor):
+        if indices.dtype == torch.bool:
+            raise PinError(f"{pin!r}: indices is a bool tensor; pass it as mask= instead")
+        if indices.is_floating_point() or indices.is_complex():
+            raise PinError(f"{pin!r}: indices must hold integers, got dtype {indices.dtype}")
+        coords = indices.detach().cpu().to(torch.int64)
+    else:
+        if isinstance(indices, (str, bytes)) or not isinstance(indices, Sequence):
+            raise PinError(f"{pin!r}: indices must be a list of tuples or an integer tensor, got {_clip(indices)}")
+        rows = [tuple(row) if isinstance(row, Sequence) and not isinstance(row, (str, bytes)) else row for row in indices]
+        if not all(_is_int(x) for row in rows for x in (row if isinstance(row, tuple) else (row,))):
+            raise PinError(f"{pin!r}: indices must hold integers, got {_clip(indices)}")
+        lengths = sorted({len(row) if isinstance(row, tuple) else -1 for row in rows})
+        if len(lengths) > 1:
+            shown = ", ".join("a bare int" if n < 0 else str(n) for n in lengths)
+            raise PinError(
+                f"{pin!r}: indices rows must all have the same number of coordinates (one per dimension of "
+                f"the parameter), got rows of lengths {shown}"
+            )
+        if any(not -(2**63) <= x < 2**63 for row in rows for x in (row if isinstance(row, tuple) else (row,))):
+            raise PinError(f"{pin!r}: indices {_clip(indices)} are out of range: coordinate d must be in [0, shape[d])")
+        coords = torch.tensor(rows, dtype=torch.int64)
+    if coords.shape[0] == 0:  # no row ([()] is one row: the element of a 0-d parameter)
+        raise PinError(f"{pin!r}: indices select no element; select at least one or drop the pin")
+    negative = coords < 0
+    if negative.any():
+        rows_at = negative if coords.ndim == 1 else negative.reshape(coords.shape[0], -1).any(dim=1)
+        shown = coords[rows_at][:5]
+        shown = shown.unsqueeze(1) if shown.ndim == 1 else shown
+        raise PinError(
+            f"{pin!r}: indices {shown.tolist()} are out of range: coordinate d must be in [0, shape[d]) "
+            "(negative coordinates are not taken from the end)"
+        )
+    return coords
+
+
+def check_mask(pin: Pin, mask: Any, where: str = "", *, require_any: bool = True) -> None:
+    """A mask (or a file path to one) must be a bool tensor that selects at least one element."""
+    if mask is None or isinstance(mask, (str, Path)):
+        if isinstance(mask, (str, Path)) and where:
+            # A path inside a dict or a file: the plan reads one level of files only.
+            raise PinError(f"{pin!r}: mask{where} must be a bool tensor, got the path {str(mask)!r}")
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise PinError(
+            f"{pin!r}: mask{where} must be a bool tensor of the parameter's shape, a dict of them by parameter "
+            f"name, or a .pt / .safetensors path; got {type(mask).__name__}"
+        )
+    if mask.dtype != torch.bool:
+        raise PinError(f"{pin!r}: mask{where} has dtype {mask.dtype}; it must be torch.bool (mask.bool())")
+    if require_any and not bool(mask.any()):
+        raise PinError(f"{pin!r}: mask{where} selects no element; select at least one or drop the pin")
+
+
+def check_value(pin: Pin, raw: Any, where: str = "") -> None:
+    """A value must be numbers (not bools, not complex, finite), a tensor of them, or a file path."""
+    if raw is None or isinstance(raw, (str, Path)):
+        if isinstance(raw, (str, Path)) and where:
+            raise PinError(f"{pin!r}: value{where} must be numbers or a tensor, got the path {str(raw)!r}")
+        return
+    if callable(raw) and not isinstance(raw, torch.Tensor):
+        # A generator of values per parameter (the app's UniformValues): it needs the model, and
+        # becomes tensors (checked then) before the pin is resolved; see the plan.
+        return
+    if _is_bool(raw) or (isinstance(raw, torch.Tensor) and raw.dtype == torch.bool):
+        raise PinError(f"{pin!r}: value{where} must be numeric, got a bool; pin numbers (e.g. 1.0 / 0.0)")
+    if isinstance(raw, torch.Tensor):
+        if raw.is_complex():
+            raise PinError(f"{pin!r}: value{where}: complex values are not supported")
+        if raw.is_floating_point():
+            finite = torch.isfinite(raw)
+            if not bool(finite.all()):
+                bad = raw[~finite][:3].tolist()
+                raise PinError(f"{pin!r}: value{where} holds non-finite numbers {bad}; pin finite values")
+        return
+    if isinstance(raw, numbers.Number):
+        leaves: list[Any] = [raw]
+    elif isinstance(raw, Sequence) and not isinstance(raw, bytes):
+        leaves = list(number_leaves(raw))
+    else:
+        raise PinError(
+            f"{pin!r}: value{where} must be None, a number, a sequence, a tensor, a dict by parameter name or a "
+            f".pt / .safetensors path; got {type(raw).__name__}"
+        )
+    if any(_is_bool(x) for x in leaves):
+        raise PinError(f"{pin!r}: value{where} holds bools; pin numbers (e.g. 1.0 / 0.0)")
+    odd = [x for x in leaves if not isinstance(x, numbers.Real)]
+    if odd:
+        kind = "complex numbers" if isinstance(odd[0], numbers.Complex) else f"{type(odd[0]).__name__} {_clip(odd[0])}"
+        raise PinError(f"{pin!r}: value{where} is not a number or a numeric sequence: it holds {kind}")
+    bad = [x for x in leaves if not _is_int(x) and not math.isfinite(x)][:3]
+    if bad:
+        raise PinError(f"{pin!r}: value{where} holds non-finite numbers {bad}; pin finite values")
+
+
+def number_leaves(raw: Any) -> Iterable[Any]:
+    """The numbers of a nested sequence, depth first."""
+    if isinstance(raw, Sequence) and not isinstance(raw, (str, bytes)):
+        for item in raw:
+            yield from number_leaves(item)
+    else:
+        yield raw
+
+
+def when_path(pin: Pin) -> tuple[str, str] | None:
+    """``(module, attribute)`` of a ``when`` given as an import path; None for a callable or None."""
+    when = pin.when
+    if when is None or callable(when):
+        return None
+    if isinstance(when, str):
+        module_name, sep, attr = when.partition(":") if ":" in when else when.rpartition(".")
+        if not sep or not module_name or not attr:
+            raise PinError(f"{pin!r}: when={when!r} is not an import path; write 'package.module.function'")
+        return module_name, attr
+    raise PinError(
+        f"{pin!r}: when must be callable(batch, batch_idx) -> bool or its import path, got {_clip(when)}"
+    )

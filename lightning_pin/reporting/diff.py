@@ -1,10 +1,11 @@
 """Compare two checkpoints: which tensors changed and by how many elements, and whether saved pins hold.
 
-This answers "what did training actually change?": freezing the wrong object (the BERT user in
-the seeds froze a copy of the trained model, so nothing was frozen) shows up as a "frozen" module
-whose elements all changed, and the pins a :class:`~lightning_pin.PinCallback` saved in a
-checkpoint are checked against the weights of the other one, bit for bit. Nothing here imports
-Lightning: checkpoints are read with ``torch.load(weights_only=True)``.
+This answers "what did training actually change?". Freezing the wrong object shows up as a
+"frozen" module whose elements all changed: a BERT fine-tuning user froze ``model.encoder``, but
+the object being trained was a different wrapper, so nothing was frozen. The pins a
+:class:`~lightning_pin.PinCallback` saved in a checkpoint are checked against the weights of the
+other one, bit for bit. Nothing here imports Lightning: checkpoints are read with
+``torch.load(weights_only=True)`` (:mod:`lightning_pin.core.io`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,27 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-#: Prefix of the callback-state keys of :class:`~lightning_pin.PinCallback` in a Lightning checkpoint.
-PIN_STATE_PREFIX = "PinCallback"
+# The one tensor-file reader (weights_only=True), also offered here: `lightning-pin diff` reads with it.
+from lightning_pin.core.io import load_checkpoint
+from lightning_pin.core.state import PinState, find_pin_states
+from lightning_pin.reporting.compare import differs as _differs
+from lightning_pin.reporting.compare import select as _select
+from lightning_pin.reporting.tables import Column, print_table
+
+__all__ = [
+    "CheckpointDiff",
+    "PinCheck",
+    "TensorDiff",
+    "diff_checkpoints",
+    "format_diff",
+    "load_checkpoint",
+    "print_diff",
+]
 
 
 @dataclasses.dataclass
@@ -63,6 +78,26 @@ class CheckpointDiff:
     pins_from: Optional[str]
 
     @property
+    def shared_tensors(self) -> list[TensorDiff]:
+        """Tensors both checkpoints hold with the same shape: the ones that can be compared."""
+        return [t for t in self.tensors if t.presence == "both" and t.changed is not None]
+
+    def unrelated(self) -> Optional[str]:
+        """Why A and B cannot be compared (they share no tensor), or None when they share one."""
+        if self.shared_tensors:
+            return None
+        only_a = [t.name for t in self.tensors if t.presence == "only A"]
+        only_b = [t.name for t in self.tensors if t.presence == "only B"]
+        if not only_a and not only_b and not self.tensors:
+            return "neither holds a tensor"
+        if not any(t.presence == "both" for t in self.tensors):
+            return (
+                f"they share no tensor name (A: {len(only_a)} tensors, e.g. {only_a[:2]}; B: {len(only_b)}, "
+                f"e.g. {only_b[:2]}): checkpoints of different models?"
+            )
+        return "every tensor name they share has a different shape in each: checkpoints of different models?"
+
+    @property
     def changed_tensors(self) -> list[TensorDiff]:
         return [t for t in self.tensors if t.presence != "both" or t.changed != 0]
 
@@ -82,34 +117,18 @@ class CheckpointDiff:
         }
 
 
-def load_checkpoint(path: Union[str, Path]) -> dict[str, Any]:
-    """A Lightning checkpoint, or a bare state dict (``.pt`` / ``.safetensors``) wrapped like one."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{path} is a directory (a sharded checkpoint?): consolidate it into one file first")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return {"state_dict": load_file(str(path))}
-    try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # pickle errors come in many types
-        raise ValueError(
-            f"cannot load {path} with weights_only=True ({err}). It holds objects other than tensors and "
-            f"containers (hyperparameters such as functions?); load it in Python yourself if you trust it."
-        ) from err
-    if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
-        return dict(loaded)
-    if isinstance(loaded, Mapping) and all(isinstance(v, Tensor) for v in loaded.values()):
-        return {"state_dict": dict(loaded)}
-    raise ValueError(f"{path} holds neither a Lightning checkpoint nor a state dict of tensors")
-
-
-def diff_checkpoints(a: Mapping[str, Any], b: Mapping[str, Any]) -> CheckpointDiff:
+def diff_checkpoints(
+    a: Mapping[str, Any], b: Mapping[str, Any], names: tuple[str, str] = ("A", "B")
+) -> CheckpointDiff:
     """Compare the ``state_dict`` of checkpoints ``a`` and ``b``, and check saved pins against ``b``.
 
     The pin state comes from ``b``'s callbacks (the state at the end of the compared interval),
-    or from ``a``'s when ``b`` has none.
+    or from ``a``'s when ``b`` has none. ``names`` (e.g. the file paths) name the checkpoints in
+    errors.
+
+    Raises:
+        KeyError: ``a`` or ``b`` has no ``"state_dict"`` (:func:`load_checkpoint` always gives one).
+        CorruptPinState: a saved pin state is malformed; the message names it and its checkpoint.
     """
     weights_a, weights_b = a["state_dict"], b["state_dict"]
     tensors = []
@@ -133,44 +152,32 @@ def diff_checkpoints(a: Mapping[str, Any], b: Mapping[str, Any]) -> CheckpointDi
         elif changed:
             max_change = float((tb.long() - ta.long()).abs()[differs].max())
         tensors.append(TensorDiff(name, tuple(ta.shape), ta.numel(), changed, max_change))
-    states, source = _pin_states(b), "B"
+    states, source = _pin_states(b, names[1]), "B"
     if not states:
-        states, source = _pin_states(a), "A"
+        states, source = _pin_states(a, names[0]), "A"
     checks = []
     for key, state in states.items():
         checks += _check_pins(key, state, weights_a, weights_b)
     return CheckpointDiff(tensors, checks, source if states else None)
 
 
-def _differs(ta: Tensor, tb: Tensor) -> Tensor:
-    """Elements that differ bit for bit (so NaN equals NaN and -0.0 differs from 0.0)."""
-    if ta.dtype != tb.dtype:
-        return ta.to(torch.float64) != tb.to(torch.float64)
-    if ta.is_floating_point() and ta.element_size() in (2, 4, 8):
-        as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[ta.element_size()]
-        return ta.contiguous().view(as_int) != tb.contiguous().view(as_int)
-    return ta != tb
-
-
-def _pin_states(checkpoint: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-    callbacks = checkpoint.get("callbacks") or {}
+def _pin_states(checkpoint: Mapping[str, Any], where: str) -> dict[str, PinState]:
+    """The pin states saved in ``checkpoint``, read and validated by the one reader of the format."""
     return {
-        k: v
-        for k, v in callbacks.items()
-        if isinstance(k, str) and k.startswith(PIN_STATE_PREFIX) and isinstance(v, Mapping) and "pins" in v
+        key: PinState.from_dict(raw, where=f"the pin state {key!r} in {where}")
+        for key, raw in find_pin_states(checkpoint).items()
     }
 
 
 def _check_pins(
-    key: str, state: Mapping[str, Any], weights_a: Mapping[str, Tensor], weights_b: Mapping[str, Tensor]
+    key: str, state: PinState, weights_a: Mapping[str, Tensor], weights_b: Mapping[str, Tensor]
 ) -> list[PinCheck]:
     # Pins that were active at the last optimizer step must hold; others are reported, not judged.
-    last = state.get("last_step_active")
-    active = set(last if last is not None else state.get("active", []))
+    active = state.checked_pins
     checks = []
-    for pin_id, selections in enumerate(state["pins"]):
+    for pin_id, selections in enumerate(state.pins):
         for name, entry in selections.items():
-            index, target = entry.get("index"), entry.get("target")
+            index, target = entry.index, entry.target
             tb, ta = weights_b.get(name), weights_a.get(name)
             reference = tb if tb is not None else ta
             elements = int(index.numel()) if index is not None else (reference.numel() if reference is not None else 0)
@@ -184,11 +191,6 @@ def _check_pins(
                 changed = int(_differs(_select(ta, index), _select(tb, index)).sum())
             checks.append(PinCheck(key, pin_id, name, elements, off, changed, pin_id in active))
     return checks
-
-
-def _select(tensor: Tensor, index: Optional[Tensor]) -> Tensor:
-    flat = tensor.reshape(-1)
-    return flat if index is None else flat.index_select(0, index.long())
 
 
 def _off_target(tensor: Optional[Tensor], index: Optional[Tensor], target: Tensor) -> Optional[int]:
@@ -223,36 +225,23 @@ def format_diff(diff: CheckpointDiff, changed_only: bool = False) -> list[tuple[
 
 def print_diff(diff: CheckpointDiff, a_name: str = "A", b_name: str = "B", changed_only: bool = False) -> None:
     """Print the tensor table and the pin checks (rich when installed, plain text otherwise)."""
-    header = ("tensor", "shape", "elements", "changed", "max |B - A|")
-    rows = format_diff(diff, changed_only)
     total = sum(t.elements for t in diff.tensors)
     changed = sum(t.changed or 0 for t in diff.tensors)
     summary = (
         f"{changed:,} of {total:,} elements changed, in {len(diff.changed_tensors)} of {len(diff.tensors)} tensors "
         f"({a_name} -> {b_name})"
     )
-    pin_lines = _pin_lines(diff)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        for row in [header, *rows]:
-            print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
-        print(summary)
-        for line, ok in pin_lines:
-            print(line)
-        return
-    console = Console()
-    table = Table(title=f"{Path(a_name).name} -> {Path(b_name).name}")
-    for i, column in enumerate(header):
-        table.add_column(column, justify="left" if i < 2 else "right")
-    for row in rows:
-        table.add_row(*row, style="dim" if row[3] == "0" else None)
-    console.print(table)
-    console.print(summary, soft_wrap=True)
-    for line, ok in pin_lines:
-        console.print(line, style="green" if ok else ("red" if ok is False else None), markup=False, soft_wrap=True)
+    rows = format_diff(diff, changed_only)
+    styles = {True: "green", False: "red", None: None}
+    numbers = [Column(header, justify="right") for header in ("elements", "changed", "max |B - A|")]
+    print_table(
+        [Column("tensor"), Column("shape"), *numbers],
+        rows,
+        f"{Path(a_name).name} -> {Path(b_name).name}",
+        # Tensors that did not change fade, so the ones that did stand out.
+        row_styles=["dim" if row[3] == "0" else None for row in rows],
+        footer=[(summary, None)] + [(line, styles[ok]) for line, ok in _pin_lines(diff)],
+    )
 
 
 def _pin_lines(diff: CheckpointDiff) -> list[tuple[str, Optional[bool]]]:

@@ -27,6 +27,9 @@ class Preservation:
         >>> p.record(20, 0.94); p.record(40, 0.955)
         >>> p.forced, p.final, round(p.gap(p.final), 3), p.recovered_step
         (0.8, 0.955, 0.005, 40)
+
+    Raises:
+        ValueError: ``tolerance`` is negative or not finite.
     """
 
     def __init__(self, higher_is_better: bool = True, tolerance: float = 0.01) -> None:

@@ -13,18 +13,25 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_pin.reporting.preservation import Preservation
+from lightning_pin.reporting.tables import Column, print_table
 
 REPORT_JSON = "pin_report.json"
 REPORT_PNG = "pin_report.png"
 METRICS_CSV = "metrics.csv"
 #: Prefix of every name lightning-pin logs.
 PREFIX = "pin/"
+
+
+class ReportError(ValueError):
+    """An input of a report that is missing, empty or unreadable, or a report that would replace
+    one holding more data; the message names the file (and the row)."""
 
 
 def make_report(
@@ -63,6 +70,9 @@ def make_report(
     ``recovered_step``, ``pinned_elements``, ``violations``, ``pin_drift_max`` and ``weight_drift``
     are always present (None where nothing was measured). ``gap`` is how much worse than the
     baseline the final value is (positive: worse), in the metric's units.
+
+    Raises:
+        ValueError: ``tolerance`` is negative or not finite.
     """
     preservation = Preservation(higher_is_better=higher_is_better, tolerance=tolerance)
     preservation.baseline = baseline
@@ -115,7 +125,14 @@ def _mean(values: Sequence[float]) -> Optional[float]:
 
 
 def write_report(report: Mapping[str, Any], directory: Union[str, Path], plot: bool = True) -> list[Path]:
-    """Write ``pin_report.json`` (and ``pin_report.png`` when ``plot``) into ``directory``."""
+    """Write ``pin_report.json`` (and ``pin_report.png`` when ``plot``) into ``directory``.
+
+    Returns the paths written; without matplotlib the PNG is skipped with a warning.
+
+    Raises:
+        OSError: ``directory`` cannot be created or written to.
+        KeyError: ``report`` lacks the ``history`` that :func:`make_report` writes (with ``plot``).
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     json_path = directory / REPORT_JSON
@@ -132,7 +149,14 @@ def write_report(report: Mapping[str, Any], directory: Union[str, Path], plot: b
 
 
 def plot_report(report: Mapping[str, Any], path: Union[str, Path]) -> Optional[Path]:
-    """Plot the metric, the pin drift and the weight drift against the optimizer step into ``path``."""
+    """Plot the metric, the pin drift and the weight drift against the optimizer step into ``path``.
+
+    Returns ``path``, or None (with a warning) when matplotlib is not installed.
+
+    Raises:
+        KeyError: ``report`` lacks the ``history`` that :func:`make_report` writes.
+        OSError: ``path`` cannot be written.
+    """
     try:
         # A Figure of its own, not pyplot: no global backend or figure state is touched.
         from matplotlib.figure import Figure
@@ -275,29 +299,21 @@ def report_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def print_report(report: Mapping[str, Any], title: str = "lightning-pin report", note: Optional[str] = None) -> None:
-    """Print the report as a table (rich when installed, plain text otherwise), then ``note``."""
+    """Print the report as a table (rich when installed, plain text otherwise), then ``note``.
+
+    Raises:
+        KeyError: ``report`` lacks a key :func:`make_report` writes.
+    """
     rows = report_rows(report)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        width = max(len(k) for k, _ in rows)
-        print(title)
-        for key, value in rows:
-            print(f"  {key.ljust(width)}  {value}")
-        if note:
-            print(note)
-        return
-    table = Table(title=title, show_header=False)
-    table.add_column("quantity", style="bold")
-    table.add_column("value", justify="right")
-    for key, value in rows:
-        style = "red" if key.startswith("violations") and value != "0" else None
-        table.add_row(key, value, style=style)
-    console = Console()
-    console.print(table)
-    if note:
-        console.print(note, markup=False, soft_wrap=True)
+    print_table(
+        [Column("quantity", style="bold"), Column("value", justify="right")],
+        rows,
+        title,
+        show_header=False,
+        # A pin off target is the one line that must not be missed.
+        row_styles=["red" if key.startswith("violations") and value != "0" else None for key, value in rows],
+        footer=[(note, None)] if note else (),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,8 +321,14 @@ def print_report(report: Mapping[str, Any], title: str = "lightning-pin report",
 
 
 def find_metrics_csv(run_dir: Union[str, Path]) -> Path:
-    """``RUN_DIR/metrics.csv``, or the newest ``metrics.csv`` below ``RUN_DIR`` (e.g. ``lightning_logs``)."""
+    """``RUN_DIR/metrics.csv``, or the newest ``metrics.csv`` below ``RUN_DIR`` (e.g. ``lightning_logs``).
+
+    Raises:
+        FileNotFoundError: there is no ``metrics.csv`` in or below ``run_dir``.
+    """
     run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise FileNotFoundError(f"{run_dir} does not exist: point at the log directory of a CSVLogger run")
     if run_dir.is_file():
         return run_dir
     direct = run_dir / METRICS_CSV
@@ -319,12 +341,96 @@ def find_metrics_csv(run_dir: Union[str, Path]) -> Path:
 
 
 def read_metrics_csv(path: Union[str, Path]) -> list[dict[str, float]]:
-    """The rows of a ``metrics.csv``, with empty cells dropped and values as floats."""
+    """The rows of a ``metrics.csv``, with empty cells dropped and values as floats.
+
+    Raises:
+        OSError: the file cannot be opened.
+        ReportError: the file has no header, no row, or a cell that is not a number (named with
+            its row and column).
+    """
     rows = []
-    with open(path, newline="") as file:
-        for row in csv.DictReader(file):
-            rows.append({k: float(v) for k, v in row.items() if k is not None and v not in ("", None)})
+    try:
+        with open(path, newline="") as file:
+            reader = csv.DictReader(file)
+            if not reader.fieldnames:
+                raise ReportError(f"{path} is empty: no header, no rows")
+            for number, row in enumerate(reader, start=1):
+                parsed = {}
+                for key, value in row.items():
+                    if key is None:
+                        raise ReportError(
+                            f"{path}, row {number} (line {reader.line_num}): more cells than the header has columns"
+                        )
+                    if value in ("", None):
+                        continue
+                    try:
+                        parsed[key] = float(value)
+                    except ValueError:
+                        raise ReportError(
+                            f"{path}, row {number} (line {reader.line_num}), column {key!r}: {value!r} is not a number"
+                        ) from None
+                rows.append(parsed)
+    except UnicodeDecodeError as err:
+        raise ReportError(f"{path} is not a text CSV file ({err})") from err
+    except csv.Error as err:
+        raise ReportError(f"{path} is not a valid CSV file: {err}") from err
+    if not rows:
+        raise ReportError(f"{path} has a header and no rows: the run logged nothing yet")
     return rows
+
+
+def read_report(path: Union[str, Path]) -> dict[str, Any]:
+    """A ``pin_report.json`` as a dict.
+
+    Raises:
+        ReportError: the file is not JSON, not a JSON object, or holds a field of the wrong type.
+    """
+    path = Path(path)
+    try:
+        report = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ReportError(f"{path} is not a valid pin report ({err}): fix or delete it to rebuild the report") from err
+    if not isinstance(report, dict):
+        raise ReportError(f"{path} is not a valid pin report: it holds a {type(report).__name__}, not an object")
+    for key, kinds in (("metric", (str,)), ("tolerance", (int, float)), ("higher_is_better", (bool,)),
+                       ("steps", (int,)), ("history", (dict,)), ("pinned_elements", (int,))):
+        value = report.get(key)
+        if value is not None and (not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))):
+            raise ReportError(
+                f"{path} is not a valid pin report: {key!r} is {value!r}; fix or delete it to rebuild the report"
+            )
+    return report
+
+
+def report_size(report: Mapping[str, Any]) -> tuple[int, int]:
+    """How much a report holds: ``(optimizer steps, history rows)``, 0 for what it lacks."""
+    history = report.get("history") if isinstance(report.get("history"), Mapping) else {}
+    rows = 0
+    for series in history.values():
+        steps = series.get("step") if isinstance(series, Mapping) else None
+        rows += len(steps) if isinstance(steps, list) else 0
+    steps = report.get("steps")
+    return (steps if isinstance(steps, int) and not isinstance(steps, bool) else 0), rows
+
+
+def refuse_less_data(report: Mapping[str, Any], directory: Union[str, Path]) -> None:
+    """Raise :class:`ReportError` if ``directory`` holds a ``pin_report.json`` with more data.
+
+    "More" means more optimizer steps or more history rows (metric values, pin drift and weight
+    drift measurements) than ``report`` holds: replacing it would lose what only it has (after a
+    resume, say, the new run directory's ``metrics.csv`` holds only the resumed part).
+    """
+    path = Path(directory) / REPORT_JSON
+    if not path.exists():
+        return
+    old_steps, old_rows = report_size(read_report(path))
+    new_steps, new_rows = report_size(report)
+    if new_steps < old_steps or new_rows < old_rows:
+        raise ReportError(
+            f"{path} holds more data ({old_steps} steps, {old_rows} history rows) than the report rebuilt from the "
+            f"CSV ({new_steps} steps, {new_rows} rows): not overwriting it; write elsewhere with --out, or pass "
+            "--force to replace it"
+        )
 
 
 def report_from_csv(
@@ -338,12 +444,28 @@ def report_from_csv(
     What the CSV cannot hold (the metric's direction and tolerance) comes from the arguments, or
     from the ``pin_report.json`` that :class:`~lightning_pin.PinMonitor` writes next to it when
     training starts, or defaults to "higher is better" and 0.01.
+
+    Raises:
+        FileNotFoundError: there is no ``metrics.csv`` in or below ``run_dir``.
+        ValueError: the run logged several tracked metrics and ``metric`` does not choose one.
     """
     csv_path = find_metrics_csv(run_dir)
     rows = read_metrics_csv(csv_path)
+    if not any(key.startswith(PREFIX) for row in rows for key in row):
+        raise ReportError(
+            f"{csv_path} holds no {PREFIX}... columns: it is not the log of a run trained with PinCallback "
+            "(with its monitor on) and a CSVLogger"
+        )
+    # Counts: a NaN or infinite one (a hand-edited or damaged file) cannot be reported.
+    for number, row in enumerate(rows, start=1):
+        if "step" not in row:
+            raise ReportError(f"{csv_path}, row {number}: no 'step' value; CSVLogger writes one in every row")
+        for key in ("step", *_COUNT_COLUMNS):
+            if key in row and not math.isfinite(row[key]):
+                raise ReportError(f"{csv_path}, row {number}, column {key!r}: {row[key]!r} is not a count")
     existing: dict[str, Any] = {}
     if (csv_path.parent / REPORT_JSON).exists():
-        existing = json.loads((csv_path.parent / REPORT_JSON).read_text())
+        existing = read_report(csv_path.parent / REPORT_JSON)
     metric = metric or existing.get("metric") or _discover_metric(rows)
     if tolerance is None:
         tolerance = existing.get("tolerance", 0.01)
@@ -379,9 +501,13 @@ def report_from_csv(
     )
 
 
+#: Columns that hold counts (besides ``step``).
+_COUNT_COLUMNS = (f"{PREFIX}violations", f"{PREFIX}pinned_elements", f"{PREFIX}trainable_elements")
+
+
 def _discover_metric(rows: Sequence[Mapping[str, float]]) -> Optional[str]:
     suffix = "_baseline"
     names = {k[len(PREFIX) : -len(suffix)] for row in rows for k in row if k.startswith(PREFIX) and k.endswith(suffix)}
     if len(names) > 1:
-        raise ValueError(f"the run logged several tracked metrics {sorted(names)}: choose one with --metric")
+        raise ReportError(f"the run logged several tracked metrics {sorted(names)}: choose one with --metric")
     return names.pop() if names else None

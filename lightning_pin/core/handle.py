@@ -1,0 +1,329 @@
+"""The torch-native front door: :func:`pin` for plain PyTorch loops, Fabric and other trainers.
+
+Same engine and guarantee as :class:`~lightning_pin.PinCallback`, driven by torch's own hooks
+instead of Lightning's:
+
+- gradient hooks (``register_post_accumulate_grad_hook``) zero pinned gradients as backward
+  accumulates them, so they are zero when ``loss.backward()`` returns: clipping, a ``GradScaler``
+  and the optimizer never see them, on every micro-batch of an accumulation window;
+- a step pre-hook drops the gradients of wholly pinned tensors (the optimizer then skips them,
+  weight decay and state included) and checks that ``when`` pins were decided for this batch;
+- a step post-hook writes every pinned value back right after each real step (a step the scaler
+  skips runs no hook and changes no weight), counts the steps of the first optimizer, and forces
+  the values of pins whose window starts at the next step, so that step's forward sees them.
+
+A step that ``torch.amp.GradScaler`` skips (inf/NaN gradients) calls no ``step()`` of a
+for-loop or foreach optimizer: no hook runs and ``handle.step`` does not count it. A fused
+optimizer's ``step()`` is called and skips its update on the device (``found_inf``); the handle
+counts that step, as reading ``found_inf`` would cost a host-device sync per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_pin.core.engine import PinEngine
+from lightning_pin.core.errors import PinError
+from lightning_pin.core.modules import unwrap
+from lightning_pin.core.plan import refuse_sparse_gradients, resolve
+from lightning_pin.core.spec import Pin
+
+PinsLike = Union[Pin, Mapping[str, Any], Sequence[Union[Pin, Mapping[str, Any]]]]
+
+
+def as_pins(pins: PinsLike) -> list[Pin]:
+    """``pins`` as a list of :class:`Pin`: one Pin or mapping, or a sequence of them.
+
+    Raises:
+        PinError: ``pins`` is none of those.
+    """
+    if isinstance(pins, (Pin, Mapping)):
+        pins = [pins]
+    if isinstance(pins, (str, bytes)) or not isinstance(pins, Sequence):
+        raise PinError(f"pins must be a Pin, a mapping or a list of them, got {type(pins).__name__}")
+    return [Pin.from_config(p) for p in pins]
+
+
+def unwrap_optimizer(optimizer: Any) -> Optimizer:
+    """The ``torch.optim.Optimizer`` inside a wrapper (Fabric's ``_FabricOptimizer`` and
+    Lightning's ``LightningOptimizer`` keep it in ``_optimizer``, Accelerate's in ``optimizer``).
+
+    The wrappers pass ``isinstance(wrapper, Optimizer)`` (they imitate the wrapped class), so
+    they are looked through whatever their type: hooks then sit on the optimizer whose
+    ``step()`` runs, and are called with the same object the handle holds.
+
+    Raises:
+        PinError: ``optimizer`` is not an optimizer and wraps none.
+    """
+    for _ in range(4):
+        attributes = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
+        inner = [attributes[k] for k in ("_optimizer", "optimizer") if isinstance(attributes.get(k), Optimizer)]
+        if not inner or inner[0] is optimizer:
+            break
+        optimizer = inner[0]
+    if not isinstance(optimizer, Optimizer):
+        raise PinError(f"expected a torch.optim.Optimizer (or a Fabric-wrapped one), got {type(optimizer).__name__}")
+    return optimizer
+
+
+def _world_size() -> int:
+    """Processes in the default group, 1 without torch.distributed."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def ranks_agree(engine: Optional[PinEngine], rejected: Optional[PinError], device: torch.device) -> None:
+    """Once, in :func:`pin` under torch.distributed: every rank must hold the same pins.
+
+    A pin that holds on one rank only makes the replicas diverge silently, and a rank that
+    rejected its spec would leave the others waiting in their first all-reduce. One all-reduce
+    of a rejection flag and the plan's digest (as two 31-bit halves, max and negated min, so
+    the reduction is exact on any backend).
+
+    Raises:
+        PinError: another rank rejected its pins, or the ranks resolved different pins.
+    """
+    digest = 0 if engine is None else int(engine.plan.fingerprint(), 16) & (2**62 - 1)
+    halves = [digest >> 31, digest & (2**31 - 1)]
+    flags = torch.tensor([int(rejected is not None)] + halves + [-h for h in halves], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    any_rejected, high, low = int(flags[0]), flags[1:3], -flags[3:5]
+    if rejected is not None:
+        raise rejected
+    if any_rejected:
+        raise PinError("another rank rejected its pins (see its error); pin() fails on every rank")
+    if not torch.equal(high, low):
+        raise PinError(
+            f"the ranks resolved different pins (rank {torch.distributed.get_rank()}: plan "
+            f"{engine.plan.fingerprint()}): a pin that holds on one rank only makes the replicas diverge. Build the same Pins on every rank "
+            "(fraction + seed and files give identical selections everywhere)."
+        )
+
+
+def any_rank(hits: list[bool], device: torch.device) -> list[bool]:
+    """Per ``when`` pin, whether it holds on any process (one small all-reduce)."""
+    flags = torch.tensor(hits, dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    return [bool(x) for x in flags.tolist()]
+
+
+class PinHandle:
+    """Pins attached to a module and its optimizers; returned by :func:`pin`.
+
+    Use it as a context manager, or call :meth:`remove` when done. Attributes: ``step`` (the
+    completed steps of the first optimizer), ``engine`` (the :class:`PinEngine` at work) and
+    ``module`` (the module the pins were resolved on, wrappers removed).
+    """
+
+    def __init__(
+        self, module: nn.Module, optimizers: Sequence[Optimizer], engine: PinEngine, *, strict: bool = True
+    ) -> None:
+        self.module = module
+        self.optimizers = list(optimizers)
+        self.engine = engine
+        #: Default of :meth:`load_state_dict`'s ``strict``.
+        self.strict = strict
+        #: Completed steps of the first optimizer: the step the pins' windows refer to.
+        self.step = 0
+        self._hits: frozenset[int] = frozenset()
+        # Ids of the optimizers that may step: batch_start ran since their last step. Per
+        # optimizer, so one batch_start covers a batch that steps several of them.
+        self._decided: set[int] = set()
+        self._has_when = any(rp.when is not None for rp in engine.plan.pins)
+        self._handles: list[RemovableHandle] = []
+        # Step-window pins that pin() activated, whose optimizer statistics are zeroed right
+        # before the first step rather than in pin(): a resume may load the optimizer's state
+        # after pin(), and load_state_dict() then cancels this (the saved run zeroed them already).
+        self._pending_reset: list[int] = []
+
+    def _attach(self) -> None:
+        engine = self.engine
+        self._handles += engine.register_grad_hooks()
+        for optimizer in self.optimizers:
+            self._handles.append(optimizer.register_step_pre_hook(self._before_step))
+        self._handles += engine.attach(self.optimizers)  # restores after each step
+        for optimizer in self.optimizers:  # after the restore: post-hooks run in registration order
+            self._handles.append(optimizer.register_step_post_hook(self._after_step))
+
+    # ------------------------------------------------------------------------------------------
+    # The loop
+
+    def batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Decide the ``when`` pins for this batch; call before its forward (needed only with ``when`` pins).
+
+        Raises:
+            PinError: a ``when`` returned something other than a bool (or 0-d bool tensor), or
+                has the wrong signature.
+        """
+        agree = None
+        if _world_size() > 1:
+            device = self.engine.device
+
+            def agree(hits: list[bool]) -> list[bool]:
+                return any_rank(hits, device)
+
+        self._hits = self.engine.when_hits(self.step, batch, batch_idx, agree)
+        self._decided = {id(o) for o in self.optimizers}
+        self.engine.set_active(self.engine.ids_at(self.step, self._hits))
+
+    def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if self._has_when and id(optimizer) not in self._decided:
+            raise PinError(
+                "a pin has `when`, but handle.batch_start(batch, batch_idx) was not called since this "
+                "optimizer's last step: call it before each batch's forward, so the pin knows whether this "
+                "batch is pinned"
+            )
+        if self._pending_reset:
+            for each in self.optimizers:
+                self.engine.reset_optimizer_state(each, self._pending_reset)
+            self._pending_reset = []
+        self.engine.drop_whole_grads(optimizer)
+
+    def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self._decided.discard(id(optimizer))
+        if optimizer is not self.optimizers[0]:
+            return
+        self.step += 1
+        # Pins whose window starts now are forced before the next forward; when pins keep this
+        # batch's decision until the next batch_start.
+        self.engine.set_active(self.engine.ids_at(self.step, self._hits))
+
+    # ------------------------------------------------------------------------------------------
+    # Checks and state
+
+    def verify(self, module: Optional[nn.Module] = None) -> None:
+        """Raise :class:`PinError` naming every pinned element that is off target.
+
+        Checks every pin active at the last optimizer step (before any step: every pin active
+        now) against ``module`` (default: the pinned module; wrappers are looked through).
+
+        Raises:
+            PinError: an active pinned element is off target, or a pinned parameter is missing
+                from ``module`` or changed shape.
+        """
+        engine = self.engine
+        pin_ids = engine.last_step_active if engine.last_step_active is not None else engine.active
+        parameters = None if module is None else dict(unwrap(module).named_parameters(remove_duplicate=False))
+        violations = engine.violations(parameters, pin_ids)
+        if violations:
+            total = sum(v.count for v in violations)
+            raise PinError(f"{total} pinned element(s) off target:\n" + "\n".join(f"  {v}" for v in violations))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Selections, targets (captured ones too), activity and the step count: tensors, lists,
+        dicts and primitives only, so ``torch.load(weights_only=True)`` reads it back."""
+        return self.engine.state_dict(step=self.step)
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: Optional[bool] = None) -> None:
+        """Resume: take the saved targets and step count, and force the targets into the weights.
+
+        Call after loading the model's and optimizers' state (before or after :func:`pin`): the
+        saved targets win over whatever the loaded weights hold, and the loaded optimizer
+        statistics are kept as saved. ``strict`` (default: the one given to :func:`pin`) refuses
+        saved state that does not match these pins; with ``strict=False`` a warning names it and
+        the mismatching pins start afresh.
+
+        Raises:
+            PinError: the state is corrupt or does not match these pins (with ``strict``).
+        """
+        saved = self.engine.load_state_dict(state, strict=self.strict if strict is None else strict)
+        if saved is not None:
+            # The saved run zeroed the statistics of its pins when they activated; the loaded
+            # optimizer state already reflects that (pins that start afresh are activated below).
+            self._pending_reset = []
+            if saved.step is not None:
+                self.step = saved.step
+        self.engine.set_active(self.engine.ids_at(self.step, self._hits))
+        self.engine.force()
+
+    def remove(self) -> None:
+        """Remove every hook this handle placed; the weights keep their values."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.engine.detach()
+
+    def __enter__(self) -> PinHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        plan = self.engine.plan
+        return (
+            f"PinHandle({len(plan.pins)} pins on {len(plan.parameters)} parameters, step={self.step}, "
+            f"active={sorted(self.engine.active)})"
+        )
+
+
+def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pins: PinsLike, *, strict: bool = True
+        ) -> PinHandle:
+    """Pin ``pins`` on ``module`` for a plain PyTorch loop (or Fabric, or any trainer); return the handle.
+
+    Resolves every pin on ``module`` (a plain ``nn.Module``, a ``torch.compile`` wrapper or a
+    Fabric-wrapped module: names are those of the module inside), forces the values of the pins
+    active at step 0, and attaches to ``optimizers`` (one or a list, Fabric-wrapped ones too).
+    From then on pinned gradients are zero when ``backward()`` returns, and after every
+    ``optimizer.step()`` each active pinned element equals its target bit for bit.
+
+    Args:
+        module: The module being trained.
+        optimizers: Its optimizer, or a list of them; ``handle.step`` counts the first one's steps.
+        pins: :class:`Pin`\\ s, or mappings with the same keys.
+        strict: Refuse saved pin state that does not match in :meth:`PinHandle.load_state_dict`.
+
+    Under torch.distributed, call it on every rank with the same pins: the ranks compare what
+    they resolved once (one small all-reduce), and all of them raise if one rejects its pins.
+
+    Raises:
+        PinError: a pin cannot be honoured (named, with what would be right), or the ranks of a
+            distributed run resolved different pins; no weight has changed and no hook is left
+            behind.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_pin import Pin, pin
+        >>> model = torch.nn.Linear(4, 2)
+        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        >>> with pin(model, optimizer, [Pin("weight", indices=[(0, 0)], value=0.5), Pin("bias")]) as handle:
+        ...     for _ in range(3):
+        ...         model(torch.randn(8, 4)).square().sum().backward()
+        ...         optimizer.step()
+        ...         optimizer.zero_grad()
+        ...     handle.verify()
+        >>> model.weight[0, 0].item(), handle.step
+        (0.5, 3)
+    """
+    optimizer_list = [optimizers] if not isinstance(optimizers, (list, tuple)) else list(optimizers)
+    target = unwrap(module)
+    try:
+        optimizer_list = [unwrap_optimizer(o) for o in optimizer_list]
+        engine: Optional[PinEngine] = PinEngine(resolve(as_pins(pins), target))  # every check, nothing touched
+        refuse_sparse_gradients(engine.plan, target)
+        rejected = None
+    except PinError as err:
+        engine, rejected = None, err
+    if _world_size() > 1:
+        device = next((p.device for p in target.parameters()), torch.device("cpu"))
+        ranks_agree(engine, rejected, device)
+    if rejected is not None:
+        raise rejected
+    handle = PinHandle(target, optimizer_list, engine, strict=strict)
+    try:
+        # Capture and force the pins of step 0 before attaching to the optimizers, so that their
+        # statistics are zeroed at the first step, not now (see PinHandle._pending_reset).
+        started = engine.set_active(engine.ids_at(0))
+        handle._pending_reset = [i for i in started if engine.plan.pins[i].when is None]
+        handle._attach()
+    except BaseException:
+        handle.remove()  # no hook left behind
+        raise
+    return handle
