@@ -17,7 +17,8 @@ What is counted: every batch, except
   ``monitor=False`` no batch is excluded for that reason.
 
 So windows that start and stop, ``when`` pins that toggle and re-capture their values
-(``value=None``) at every activation, gradient accumulation and clipping are all counted.
+(``value=None``) at every activation, gradient accumulation and clipping are all counted. The
+plain-loop front door (``pin()``) is counted the same way, batch by batch.
 """
 
 from __future__ import annotations
@@ -258,3 +259,46 @@ def test_toggling_when_pin_merges_recaptured_targets_without_a_sync():
             assert not counter.counts[step], (step, dict(counter.counts[step]))
     # Without the cached layout the first toggles do sync: the test sees what it looks for.
     assert counter.counts[0]["aten.unique_consecutive.default"] == 1
+
+
+@pytest.mark.parametrize("optimizer", ["adamw-forloop", "adam-foreach"])
+def test_front_door_adds_no_sync_in_steady_state_steps(optimizer):
+    """The same count for a plain loop under ``pin()``: accumulation over 2 batches, clipping,
+    windows that start and stop, and `when` pins that toggle and re-capture (``batch_start``)."""
+    from lightning_pin import pin
+
+    def run(pinned: bool) -> tuple[SyncCounter, dict[int, frozenset[int]]]:
+        torch.manual_seed(0)
+        model = TinyNet(OPTIMIZERS[optimizer])
+        opt = model.configure_optimizers()
+        counter, active = SyncCounter(), {}  # batch -> active pins at its start and at its end
+        handle = pin(model, opt, _pins()) if pinned else None
+        with counter:
+            for batch_idx, (x, y) in enumerate(make_loader(n=192, batch_size=4)):
+                counter.batch = batch_idx
+                if handle is not None:
+                    handle.batch_start((x, y), batch_idx)
+                    at_start = handle.engine.active
+                (torch.nn.functional.cross_entropy(model(x), y) / 2).backward()
+                if batch_idx % 2 == 1:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                    opt.step()  # pins whose window starts at the next step activate here
+                    opt.zero_grad()
+                if handle is not None:
+                    active[batch_idx] = (at_start, handle.engine.active)
+                counter.batch = None
+        if handle is not None:
+            handle.remove()
+        return counter, active
+
+    plain, _ = run(False)
+    pinned, active = run(True)
+    seen: set[frozenset[int]] = set()
+    counted = 0
+    for batch, (at_start, at_end) in active.items():
+        if at_start in seen and at_end in seen:
+            added = pinned.counts[batch] - plain.counts[batch]
+            assert not added, f"batch {batch} (active pins {sorted(at_start)}) adds syncs: {dict(added)}"
+            counted += 1
+        seen.update((at_start, at_end))
+    assert counted >= 30, counted
