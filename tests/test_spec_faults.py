@@ -46,7 +46,8 @@ def test_fingerprint_tells_fault_fields_apart():
         Pin("a", stuck_at_zero=torch.tensor([1, 2])).fingerprint(),
     }
     assert len(prints) == 7
-    assert Pin("a", stuck_at_zero=torch.tensor([1, 2])).fingerprint() == Pin("a", stuck_at_zero=torch.tensor([1, 2])).fingerprint()
+    same = Pin("a", stuck_at_zero=torch.tensor([1, 2]))
+    assert same.fingerprint() == Pin("a", stuck_at_zero=torch.tensor([1, 2])).fingerprint()
 
 
 def test_from_config_and_pickle():
