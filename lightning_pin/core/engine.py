@@ -11,26 +11,37 @@ register with :meth:`PinEngine.register_restore_hook` and get a removable handle
 from __future__ import annotations
 
 import dataclasses
-import math
-import sys
 import warnings
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import PinPlan, Selection, call_when
+from lightning_pin.core.layouts import _Layout
+from lightning_pin.core.parking import PARKED_VALUE, StatisticsParking
+from lightning_pin.core.sharding import (
+    LocalPart,
+    Target,
+    copy_at,
+    fill_at,
+    flat_view,
+    is_sharded,
+    local_part,
+    local_tensor,
+)
 from lightning_pin.core.state import CorruptPinState, PinState, SavedSelection
 
-# torch.distributed.tensor costs seconds to import (it pulls in sympy), and a plain loop never
-# needs it: a tensor can only be a DTensor once that module has been imported by someone else.
-_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # public from torch 2.4
+__all__ = [
+    "OPTIMIZER_STATE_KEYS", "PARKED_VALUE", "LocalPart", "PinEngine", "StepStats", "Target", "Violation",
+    "copy_at", "fill_at", "flat_view", "is_sharded", "local_part", "local_tensor",
+]
+
 
 #: Per-element optimizer statistics that push an element, zeroed when a step-window pin activates.
 #: Step sizes (Rprop ``step_size``) and weight averages (ASGD ``ax``) are left alone.
@@ -46,32 +57,6 @@ OPTIMIZER_STATE_KEYS = (
     "prev",
 )
 
-#: The value at which the engine keeps the second-moment statistics of pinned elements between
-#: their pin's start and stop (see :meth:`PinEngine.park_statistics`): a normal float, whose square
-#: root torch's CPU kernels take at full speed (on exact zeros they are 3-10x slower).
-PARKED_VALUE = 1.0
-
-
-def _second_beta(group: Mapping[str, Any]) -> float:
-    return float(group["betas"][1])
-
-
-# Optimizers (exact types: a subclass may compute its step differently) whose statistics may be
-# parked, each with the keys of the statistics that reach the update only under a square root,
-# dividing a numerator that is exactly zero for a pinned element (its masked gradient and its
-# first moment, zeroed at activation), and the factor by which the group's statistics decay each
-# step. Adadelta adds eps under its roots and Adamax takes a max with ``|grad| + eps``: neither
-# ever takes the root of a zero, so they are left alone, as are SGD's momentum (no root) and
-# every other optimizer.
-_PARKABLE: dict[type, tuple[tuple[str, ...], Callable[[Mapping[str, Any]], float]]] = {
-    torch.optim.Adam: (("exp_avg_sq", "max_exp_avg_sq"), _second_beta),
-    torch.optim.AdamW: (("exp_avg_sq", "max_exp_avg_sq"), _second_beta),
-    torch.optim.NAdam: (("exp_avg_sq",), _second_beta),
-    torch.optim.RAdam: (("exp_avg_sq",), _second_beta),
-    torch.optim.RMSprop: (("square_avg",), lambda group: float(group["alpha"])),
-    torch.optim.Adagrad: (("sum",), lambda group: 1.0),
-}
-
 # Optimizers that leave a parameter whose grad is None completely alone (no update, no weight
 # decay, no state change). Exact types only: a subclass may override step(). For these, a
 # whole-tensor pin whose grad was dropped needs no restore after the step.
@@ -83,136 +68,6 @@ _SKIPS_NONE_GRADS = frozenset(
     )
     if hasattr(torch.optim, name)
 )
-
-
-@dataclasses.dataclass
-class Target:
-    """The merged targets of one parameter under one set of active pins.
-
-    Indices and values are in full-tensor coordinates. For a sharded parameter (a DTensor, under
-    FSDP2) :meth:`part` maps them once onto the shard this process holds, so masking and
-    restoring touch local memory only and need no communication.
-    """
-
-    name: str
-    parameter: nn.Parameter
-    #: Sorted flat (row-major) indices, or None for the whole tensor.
-    index: Tensor | None
-    #: One value per index, or of the parameter's shape when ``index`` is None. None when only
-    #: the positions matter (zeroing optimizer state).
-    values: Tensor | None
-    #: Storage-order positions for tensors that are not contiguous (e.g. channels_last), by strides.
-    _by_strides: dict[Any, Tensor] = dataclasses.field(default_factory=dict)
-    #: The pinned elements of each shard layout this process holds.
-    _shards: dict[Any, LocalPart] = dataclasses.field(default_factory=dict)
-
-    def part(self, tensor: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """``(view, positions, targets)``: what of ``tensor`` (the parameter, its grad or an
-        optimizer statistic) this process pins.
-
-        For element pins ``view`` is a flat view of the local data and ``positions`` index the
-        pinned elements in it; for a whole tensor ``positions`` is None and ``view`` is the
-        local data itself.
-        """
-        if is_sharded(tensor):
-            key = (tuple(tensor.placements), tuple(tensor.shape))
-            if key not in self._shards:
-                self._shards[key] = local_part(tensor, self.index, self.values, self.name)
-            shard = self._shards[key]
-            data, index, values, cache_key = tensor.to_local(), shard.index, shard.values, key
-        else:
-            data, index, values, cache_key = tensor, self.index, self.values, None
-        if index is None:
-            return data, None, values
-        flat, positions = flat_view(data, index, self._by_strides, cache_key)
-        return flat, positions, values
-
-    def flat(self, tensor: Tensor) -> tuple[Tensor, Tensor | None]:
-        """``(view, positions)`` of :meth:`part`, without the targets."""
-        view, positions, _ = self.part(tensor)
-        return view, positions
-
-    def flat_index_of(self, tensor: Tensor, positions_taken: Tensor) -> Tensor:
-        """Full-tensor row-major indices of the entries ``positions_taken`` of :meth:`part`."""
-        if is_sharded(tensor):
-            shard = self._shards[(tuple(tensor.placements), tuple(tensor.shape))]
-            if shard.global_index is not None:
-                return shard.global_index[positions_taken]
-            coords = torch.stack(torch.unravel_index(positions_taken, shard.shape), dim=1)
-            coords = coords + torch.tensor(shard.offset, device=coords.device)
-            strides = torch.tensor(_row_major_strides(tuple(tensor.shape)), device=coords.device)
-            return (coords * strides).sum(1)
-        return positions_taken if self.index is None else self.index[positions_taken]
-
-
-@dataclasses.dataclass
-class LocalPart:
-    """The pinned elements of a sharded tensor that lie in this process's shard."""
-
-    #: Row-major indices into the local shard, or None when the whole tensor is pinned.
-    index: Tensor | None
-    #: Their targets (local shape for a whole tensor), or None.
-    values: Tensor | None
-    #: Their full-tensor indices (None for a whole tensor).
-    global_index: Tensor | None
-    #: Where the shard starts in the full tensor, and its shape.
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-
-
-def is_sharded(tensor: Any) -> bool:
-    """Whether ``tensor`` is a DTensor (FSDP2, tensor parallel), without importing DTensor."""
-    for name in _DTENSOR_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and isinstance(tensor, module.DTensor):
-            return True
-    return False
-
-
-def local_part(tensor: Tensor, index: Tensor | None, values: Tensor | None, name: str) -> LocalPart:
-    """Map full-tensor indices and targets onto the shard of ``tensor`` this process holds."""
-    try:
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    except ImportError:  # torch 2.3
-        from torch.distributed._tensor import Replicate, Shard
-        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
-
-    unsupported = [p for p in tensor.placements if type(p) not in (Shard, Replicate)]
-    if unsupported:
-        raise PinError(
-            f"{name!r} is laid out as {tuple(tensor.placements)}; pins support Shard and Replicate placements "
-            "(FSDP2's fully_shard, data parallel), not {unsupported}"
-        )
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    if index is None:
-        local = None if values is None else values[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-        return LocalPart(None, None if local is None else local.contiguous(), None, tuple(offset), tuple(shape))
-    coords = torch.stack(torch.unravel_index(index, tuple(tensor.shape)), dim=1)
-    low = torch.tensor(offset, device=coords.device)
-    inside = ((coords >= low) & (coords < low + torch.tensor(shape, device=coords.device))).all(dim=1)
-    local_coords = coords[inside] - low
-    strides = torch.tensor(_row_major_strides(tuple(shape)), device=coords.device)
-    return LocalPart(
-        index=(local_coords * strides).sum(1),
-        values=None if values is None else values[inside],
-        global_index=index[inside],
-        offset=tuple(offset),
-        shape=tuple(shape),
-    )
-
-
-def _row_major_strides(shape: tuple[int, ...]) -> list[int]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return strides[::-1]
-
-
-def local_tensor(tensor: Tensor) -> Tensor:
-    """The data of ``tensor`` this process holds: a DTensor's local shard, else the tensor."""
-    return tensor.to_local() if is_sharded(tensor) else tensor
 
 
 @dataclasses.dataclass
@@ -263,61 +118,6 @@ def _step_stats(
     )
 
 
-def flat_view(tensor: Tensor, index: Tensor, cache: dict | None = None, key: Any = None) -> tuple[Tensor, Tensor]:
-    """A 1-D view of ``tensor``'s storage and the storage positions of row-major ``index``.
-
-    Contiguous tensors need no translation. Dense but permuted ones (channels_last weights and
-    their grads) get the positions recomputed once per stride pattern and cached in ``cache``.
-    """
-    if tensor.is_contiguous():
-        return tensor.view(-1), index
-    strides = tensor.stride()
-    positions = None if cache is None else cache.get((key, strides))
-    if positions is None:
-        if not _is_dense(tensor):
-            raise PinError(f"cannot pin elements of a tensor with overlapping or gapped strides {strides}")
-        coords = torch.stack(torch.unravel_index(index, tensor.shape), dim=1)
-        positions = (coords * torch.tensor(strides, device=coords.device)).sum(1)
-        if cache is not None:
-            cache[(key, strides)] = positions
-    return tensor.as_strided((tensor.numel(),), (1,)), positions
-
-
-#: Indices converted to int64 at a time: bounds the transient memory of int32 -> int64 to 8 MiB.
-_CONVERT_CHUNK = 1 << 20
-
-
-def fill_at(flat: Tensor, positions: Tensor, value: float) -> None:
-    """``flat[positions] = value``. Positions are stored as int32 where they fit (half the memory
-    of int64); ``index_fill_`` wants int64, so they are widened a chunk at a time."""
-    if positions.dtype == torch.int64:
-        flat.index_fill_(0, positions, value)
-        return
-    for start in range(0, positions.numel(), _CONVERT_CHUNK):
-        flat.index_fill_(0, positions[start : start + _CONVERT_CHUNK].long(), value)
-
-
-def copy_at(flat: Tensor, positions: Tensor, values: Tensor) -> None:
-    """``flat[positions] = values``, widening int32 positions a chunk at a time (see :func:`fill_at`)."""
-    if positions.dtype == torch.int64:
-        flat.index_copy_(0, positions, values)
-        return
-    for start in range(0, positions.numel(), _CONVERT_CHUNK):
-        stop = start + _CONVERT_CHUNK
-        flat.index_copy_(0, positions[start:stop].long(), values[start:stop])
-
-
-def _is_dense(tensor: Tensor) -> bool:
-    expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda s: s[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 class PinEngine:
     """Executes a :class:`PinPlan`: activation, gradient masking, restoring, optimizer state.
 
@@ -345,8 +145,7 @@ class PinEngine:
         #: Keep the statistics of pinned elements on torch's fast path (see park_statistics);
         #: False keeps them at zero as engines before parking did.
         self.park = True
-        self._parked: dict[int, _Parked] = {}
-        self._stat_targets: dict[tuple[int, str], Target] = {}
+        self._parking = StatisticsParking()
         self._optimizer_names: dict[int, tuple[tuple[int, ...], frozenset[str]]] = {}
         self._optimizers: list[Optimizer] = []
         self._dropped: set[str] = set()
@@ -683,95 +482,21 @@ class PinEngine:
     # Parked statistics: the fast path of torch's kernels for pinned elements
 
     @torch.no_grad()
+    @torch.no_grad()
     def park_statistics(self, optimizer: Optimizer) -> None:
-        """Keep the second-moment statistics of pinned elements at :data:`PARKED_VALUE`.
-
-        A pinned element's gradient is masked to zero and its first moment was zeroed when its
-        pin started, so its update is exactly zero whatever its second moment holds, and the
-        restore writes its target back anyway. Left alone, that second moment is an exact zero
-        (or decays into subnormals), and torch's CPU kernels take the square root of those 3-10x
-        slower than of normal floats: at 50% pinned the optimizer step took twice as long. So the
-        engine writes :data:`PARKED_VALUE` there after the first step of a pin, and again before
-        the value could decay below ``sqrt`` of the smallest normal float (``beta2 = 0.999``:
-        every ~43,000 steps; ``alpha = 0.99``: every ~4,300).
-
-        Free elements are never touched, and the engine writes the zeros the statistics would
-        otherwise hold back wherever they can be seen: when a step-window pin stops (the
-        released elements start from zero statistics, as they did before), and before every
-        ``optimizer.state_dict()`` (checkpoints hold what they held before; the next step runs
-        once with the zeros), and when the engine is detached. Parked are ``exp_avg_sq`` and
-        ``max_exp_avg_sq`` of Adam, AdamW, NAdam and RAdam, ``square_avg`` of RMSprop and ``sum``
-        of Adagrad (exact types, every variant), for the elements of step-window pins, in param
-        groups where a masked gradient stays exactly zero inside the step: no weight decay, or
-        decoupled decay (AdamW, ``decoupled_weight_decay=True``). Coupled L2 decay adds
-        ``weight_decay * value`` to the gradient, so those statistics follow the value and are
-        left as they are, as are the statistics of ``when`` pins, which are never reset.
+        """Keep the second-moment statistics of pinned elements at :data:`PARKED_VALUE` (see
+        :meth:`StatisticsParking.park <lightning_pin.core.parking.StatisticsParking.park>`): torch's
+        CPU kernels take square roots of exact zeros 3-10x slower than of normal floats.
 
         Called by :meth:`restore` after every step of ``optimizer``; cheap between refreshes.
         """
-        if not self.park or type(optimizer) not in _PARKABLE:
+        if not self.park:
             return
-        key = frozenset(i for i in self.active if self.plan.pins[i].when is None)
-        parked = self._parked.get(id(optimizer))
-        if parked is None or parked.optimizer() is not optimizer or parked.key != key:
-            if parked is not None and parked.optimizer() is optimizer:
-                self._unpark(optimizer)  # elements the old set parked and the new one does not
-            parked = self._parked[id(optimizer)] = self._parking_of(optimizer, key)
-        if not parked.entries:
-            return
-        buffers = _parked_buffers(optimizer, parked.entries)
-        parked.countdown -= 1
-        unchanged = len(buffers) == len(parked.written) and all(
-            ref() is buffer for ref, (_, buffer) in zip(parked.written, buffers)
-        )
-        # A state tensor that is not the one written last is new (the optimizer's first step,
-        # load_state_dict): park it now.
-        if parked.countdown > 0 and unchanged:
-            return
-        for target, buffer in buffers:
-            view, positions, _ = target.part(buffer)
-            if positions is None:
-                view.fill_(PARKED_VALUE)
-            else:
-                fill_at(view, positions, PARKED_VALUE)
-        parked.written = [weakref.ref(buffer) for _, buffer in buffers]
-        parked.countdown = parked.interval
+        key = frozenset(i for i in self.active if self.plan.pins[i].when is None and True)
+        self._parking.park(optimizer, self.plan, key, self.whole_grads)
 
-    def _parking_of(self, optimizer: Optimizer, key: frozenset[int]) -> _Parked:
-        """Which statistics of ``optimizer`` the step-window pins ``key`` park, and how often to refresh them."""
-        keys, decay_of = _PARKABLE[type(optimizer)]
-        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-        entries: list[tuple[Target, tuple[str, ...]]] = []
-        interval = _NEVER
-        for pin_id in sorted(key):
-            for name, selection in self.plan.pins[pin_id].selections.items():
-                group = group_of.get(id(selection.parameter))
-                if group is None or not _masked_grads_stay_zero(optimizer, group):
-                    continue
-                if selection.index is None and self.whole_grads == "drop" and not is_sharded(selection.parameter):
-                    continue  # its gradient is dropped: the optimizer never touches its state
-                steps = _refresh_interval(decay_of(group), selection.parameter.dtype)
-                if steps <= 0:
-                    continue  # decays to zero within a step: nothing to gain
-                stat_key = (pin_id, name)
-                if stat_key not in self._stat_targets:
-                    self._stat_targets[stat_key] = Target(name, selection.parameter, selection.index, None)
-                entries.append((self._stat_targets[stat_key], keys))
-                interval = min(interval, steps)
-        return _Parked(weakref.ref(optimizer), key, entries, interval)
-
-    @torch.no_grad()
     def _unpark(self, optimizer: Optimizer) -> None:
-        """Write back the zeros the parked statistics of ``optimizer`` would hold without parking."""
-        parked = self._parked.pop(id(optimizer), None)
-        if parked is None or parked.optimizer() is not optimizer:
-            return
-        for target, buffer in _parked_buffers(optimizer, parked.entries):
-            view, positions, _ = target.part(buffer)
-            if positions is None:
-                view.zero_()
-            else:
-                fill_at(view, positions, 0)
+        self._parking.unpark(optimizer)
 
     def _release_statistics(self, stopped: Iterable[int]) -> None:
         """When a step-window pin stops, its elements go on from fresh (zero) statistics: unpark,
@@ -950,105 +675,3 @@ def _zero_grad_of(target: Target, grad: Tensor) -> None:
         flat, positions, _ = target.part(grad)
         # index_fill_, not a multiply: 0 * inf is NaN.
         fill_at(flat, positions, 0)
-
-
-#: A refresh interval for statistics that never decay.
-_NEVER = 1 << 62
-
-
-@dataclasses.dataclass
-class _Parked:
-    """The parked statistics of one optimizer (see :meth:`PinEngine.park_statistics`)."""
-
-    optimizer: weakref.ref
-    #: The step-window pins active when the entries were computed.
-    key: frozenset[int]
-    #: Where (a selection's positions) and which state keys are parked.
-    entries: list[tuple[Target, tuple[str, ...]]]
-    #: Restores between two writes of the parked value.
-    interval: int
-    #: Restores left until the next write (0 or less: at the next restore).
-    countdown: int = 0
-    #: Weak references to the state tensors written last.
-    written: list[weakref.ref] = dataclasses.field(default_factory=list)
-
-
-def _masked_grads_stay_zero(optimizer: Optimizer, group: Mapping[str, Any]) -> bool:
-    """Whether a gradient masked to zero is still exactly zero where the optimizer accumulates it:
-    no weight decay, or decay decoupled from the gradient. Coupled L2 decay adds ``wd * value``."""
-    return (
-        type(optimizer) is torch.optim.AdamW
-        or bool(group.get("decoupled_weight_decay", False))
-        or group.get("weight_decay", 0) == 0
-    ) and group.get("initial_accumulator_value", 0) == 0  # Adagrad: fresh state must be zero too
-
-
-def _refresh_interval(decay: float, dtype: torch.dtype) -> int:
-    """Steps after which a statistic parked at :data:`PARKED_VALUE` and multiplied by ``decay`` at
-    every step is still at least ``sqrt`` of ``dtype``'s smallest normal: it and its root normal."""
-    if decay >= 1:
-        return _NEVER
-    if decay <= 0:
-        return 0
-    floor = math.sqrt(torch.finfo(dtype).tiny if dtype.is_floating_point else torch.finfo(torch.float32).tiny)
-    return int(math.log(floor / PARKED_VALUE) / math.log(decay))
-
-
-def _parked_buffers(
-    optimizer: Optimizer, entries: Sequence[tuple[Target, tuple[str, ...]]]
-) -> list[tuple[Target, Tensor]]:
-    """The state tensors of ``entries`` that exist now, each with the positions to write."""
-    found = []
-    for target, keys in entries:
-        state = optimizer.state.get(target.parameter)
-        if not state:
-            continue
-        for key in keys:
-            buffer = state.get(key)
-            if isinstance(buffer, Tensor) and buffer.shape == target.parameter.shape:
-                found.append((target, buffer))
-    return found
-
-
-@dataclasses.dataclass
-class _Layout:
-    """How the entries ``(index, values)`` of one parameter merge, later entries winning.
-
-    It depends on the indices only: :meth:`of` works it out once (deduplicating indices syncs
-    with the host), and :meth:`apply` merges any values into it without a sync.
-    """
-
-    #: The entries' indices (None: the whole tensor).
-    indices: list[Tensor | None]
-    #: The merged, sorted, unique index; None for a single entry or when a whole tensor is pinned.
-    index: Tensor | None
-    #: Positions in the concatenated values that supply each merged value (None: no gather).
-    take: Tensor | None
-    #: Storage positions of ``index`` per stride pattern, shared by the targets merged with it.
-    by_strides: dict[Any, Tensor] = dataclasses.field(default_factory=dict)
-
-    @staticmethod
-    def of(indices: Sequence[Tensor | None]) -> _Layout:
-        indices = list(indices)
-        if len(indices) == 1 or any(index is None for index in indices):
-            return _Layout(indices, None, None)
-        index = torch.cat(indices)
-        order = torch.argsort(index, stable=True)
-        unique, counts = torch.unique_consecutive(index[order], return_counts=True)
-        take = order[counts.cumsum(0) - 1]
-        if take.numel() <= torch.iinfo(torch.int32).max:
-            take = take.to(torch.int32)  # index_select takes int32: half the memory
-        return _Layout(indices, unique, take)
-
-    def apply(self, values: Sequence[Tensor]) -> tuple[Tensor | None, Tensor]:
-        """``(index, values)`` of the merge of ``values`` (one per entry, in the entries' order)."""
-        if len(values) == 1:
-            return self.indices[0], values[0]
-        if self.take is not None:
-            return self.index, torch.cat(list(values)).index_select(0, self.take)
-        first = max(i for i, index in enumerate(self.indices) if index is None)
-        full = values[first].clone(memory_format=torch.contiguous_format)
-        flat = full.view(-1)
-        for index, entry_values in zip(self.indices[first + 1 :], values[first + 1 :]):
-            copy_at(flat, index, entry_values)
-        return None, full
