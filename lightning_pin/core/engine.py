@@ -25,6 +25,7 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import PinPlan, Selection, call_when
 from lightning_pin.core.layouts import _Layout
 from lightning_pin.core.parking import PARKED_VALUE, StatisticsParking
+from lightning_pin.core.projections import ExactValue, Interval, Projection, StuckBits, merge_faults
 from lightning_pin.core.sharding import (
     LocalPart,
     Target,
@@ -38,7 +39,8 @@ from lightning_pin.core.sharding import (
 from lightning_pin.core.state import CorruptPinState, PinState, SavedSelection
 
 __all__ = [
-    "OPTIMIZER_STATE_KEYS", "PARKED_VALUE", "LocalPart", "PinEngine", "StepStats", "Target", "Violation",
+    "OPTIMIZER_STATE_KEYS", "PARKED_VALUE", "ExactValue", "Interval", "LocalPart", "PinEngine", "Projection",
+    "StepStats", "StuckBits", "Target", "Violation",
     "copy_at", "fill_at", "flat_view", "is_sharded", "local_part", "local_tensor",
 ]
 
@@ -76,12 +78,21 @@ class Violation:
 
     name: str
     count: int
-    #: Up to a few ``(coordinates, actual, target)`` examples.
-    examples: list[tuple[tuple[int, ...], float, float]]
+    #: Up to a few ``(coordinates, actual, target)`` examples. For stuck bits and bounds
+    #: ``target`` is a description: the bits held and stuck, or the interval.
+    examples: list[tuple[tuple[int, ...], float, float | str]]
+    #: The kind of pin broken: ``"value"``, ``"stuck_bits"`` or ``"bounds"``.
+    kind: str = "value"
 
     def __str__(self) -> str:
-        shown = ", ".join(f"{c}: {a!r} != {t!r}" for c, a, t in self.examples)
-        return f"{self.name}: {self.count} element(s) off target ({shown}{', ...' if self.count > len(self.examples) else ''})"
+        if self.kind == "value":
+            shown = ", ".join(f"{c}: {a!r} != {t!r}" for c, a, t in self.examples)
+            what = "off target"
+        else:
+            shown = ", ".join(f"{c}: {a!r} ({t})" for c, a, t in self.examples)
+            what = "with stuck bits off" if self.kind == "stuck_bits" else "out of bounds"
+        more = ", ..." if self.count > len(self.examples) else ""
+        return f"{self.name}: {self.count} element(s) {what} ({shown}{more})"
 
 
 @dataclasses.dataclass
@@ -102,12 +113,9 @@ class StepStats:
         return self.drift_sum / max(self.elements, 1)
 
 
-def _step_stats(
-    owned: Sequence[Target], untouched: Sequence[Target], moved: Sequence[Tensor], after: Sequence[Tensor]
-) -> StepStats:
-    device = owned[0].values.device if owned else torch.device("cpu")
+def _step_stats(elements: int, device: torch.device, moved: Sequence[Tensor], after: Sequence[Tensor]) -> StepStats:
+    """``moved``: ``|x - P(x)|`` per projection before the restore; ``after``: the same (or off flags) after it."""
     zero = torch.zeros((), device=device)
-    elements = sum(t.values.numel() for t in owned)
     if not moved:
         return StepStats(zero, zero, elements, zero.long())
     return StepStats(
@@ -150,6 +158,7 @@ class PinEngine:
         self._optimizers: list[Optimizer] = []
         self._dropped: set[str] = set()
         self._by_name: dict[frozenset[int], dict[str, Target]] = {}
+        self._faults: dict[frozenset[int], list[Projection]] = {}
         # Observers of each restore: id -> (hook, wants_stats). See register_restore_hook.
         self._restore_hooks: OrderedDict[int, tuple[Callable[[Optional[StepStats]], None], Callable[[], bool]]] = (
             OrderedDict()
@@ -230,15 +239,23 @@ class PinEngine:
     def _activate(self, started: Sequence[int]) -> None:
         for pin_id in started:
             rp = self.plan.pins[pin_id]
-            to_capture = {name: s for name, s in rp.selections.items() if s.values is None}
+            to_capture = {name: s for name, s in rp.selections.items() if s.kind == "value" and s.values is None}
             if to_capture:
                 self.captured[pin_id] = {name: self._read(s) for name, s in to_capture.items()}
                 self._forget(pin_id)
         touched = {name for pin_id in started for name in self.plan.pins[pin_id].selections}
         self._write([t for t in self.targets() if t.name in touched])
-        step_window_pins = [i for i in started if self.plan.pins[i].when is None]
+        # Faults hold from the first active step's forward on, as values do.
+        for projection in self.fault_projections():
+            if projection.name in touched:
+                projection.apply(projection.target.parameter.data)
+        # Stuck bits and bounds leave the optimizer state alone: those elements keep training.
+        step_window_pins = [i for i in started if self.plan.pins[i].when is None and self._is_value_pin(i)]
         for optimizer in self._optimizers:
             self.reset_optimizer_state(optimizer, step_window_pins)
+
+    def _is_value_pin(self, pin_id: int) -> bool:
+        return self.plan.pins[pin_id].pin.kind == "value"
 
     def _forget(self, pin_id: int) -> None:
         for cache in (self._targets, self._by_name):
@@ -265,6 +282,8 @@ class PinEngine:
         for explicit in (False, True):
             for pin_id in sorted(pin_ids):
                 for name, selection in self.plan.pins[pin_id].selections.items():
+                    if selection.kind != "value":
+                        continue  # held by a fault projection (see fault_projections)
                     values = selection.values if explicit else self.captured.get(pin_id, {}).get(name)
                     if (selection.values is not None) == explicit and values is not None:
                         parts.setdefault(name, []).append((pin_id, explicit, selection.index, values))
@@ -281,6 +300,28 @@ class PinEngine:
             index, values = layout.apply([values for _, _, _, values in entries])
             merged.append(Target(name, self.plan.parameters[name], index, values, _by_strides=layout.by_strides))
         return merged
+
+    def fault_projections(self, pin_ids: Iterable[int] | None = None) -> list[Projection]:
+        """Per parameter and kind, the merged stuck-bit and interval projections of ``pin_ids``
+        (default: the active pins). Built once per set of pins (it syncs), then reused."""
+        key = self.active if pin_ids is None else frozenset(pin_ids)
+        found = self._faults.get(key)
+        if found is None:
+            groups: dict[tuple[str, str], list[Selection]] = {}
+            for pin_id in sorted(key):
+                for name, selection in self.plan.pins[pin_id].selections.items():
+                    if selection.kind != "value":
+                        groups.setdefault((name, selection.kind), []).append(selection)
+            found = self._faults[key] = [
+                merge_faults(kind, name, self.plan.parameters[name], entries)
+                for (name, kind), entries in groups.items()
+            ]
+        return found
+
+    def projections(self, pin_ids: Iterable[int] | None = None) -> list[Projection]:
+        """Everything the pins ``pin_ids`` (default: the active ones) hold, one projection per
+        parameter and kind: :class:`ExactValue` for value pins, :class:`StuckBits`, :class:`Interval`."""
+        return [ExactValue(t) for t in self.targets(pin_ids)] + self.fault_projections(pin_ids)
 
     # ----------------------------------------------------------------------------------------
     # The optimizer step
@@ -409,12 +450,22 @@ class PinEngine:
             skipped = skips and target.index is None and target.name in self._dropped
             (untouched if skipped else todo).append(target)
         self._dropped.difference_update(t.name for t in owned)
+        faults = self.fault_projections()
+        if optimizer is not None and faults:
+            names = self._names_of(optimizer)
+            faults = [f for f in faults if f.name in names]
         measure = any([wants() for _, wants in self._restore_hooks.values()])
-        moved = [self._deviation(t) for t in todo] if measure else None
+        moved = None
+        if measure:
+            moved = [self._deviation(t) for t in todo] + [f.drift(f.target.parameter.detach()) for f in faults]
         self._write(todo)
+        for projection in faults:
+            projection.apply(projection.target.parameter.data)
         stats = None
         if moved is not None:
-            stats = _step_stats(owned, untouched, moved, [self._deviation(t) for t in todo])
+            after = [self._deviation(t) for t in todo] + [f.off(f.target.parameter.detach())[1] for f in faults]
+            elements = sum(t.values.numel() for t in owned) + sum(f.elements for f in faults)
+            stats = _step_stats(elements, self.device, moved, after)
         self.last_step_active = self.active
         for hook, _ in list(self._restore_hooks.values()):
             hook(stats)
@@ -444,21 +495,18 @@ class PinEngine:
     def write_into(self, parameters: Mapping[str, Tensor], pin_ids: Iterable[int] | None = None) -> None:
         """Write the merged targets of ``pin_ids`` (default: :attr:`checked_ids`) into a copy of the
         weights (an averaged model), by parameter name; names the copy lacks are skipped."""
-        for target in self.targets(self.checked_ids if pin_ids is None else pin_ids):
-            tensor = parameters.get(target.name)
-            if tensor is None:
-                continue
-            view, positions, values = target.part(tensor.detach())
-            values = values.to(device=view.device, dtype=view.dtype)
-            if positions is None:
-                view.copy_(values)
-            else:
-                copy_at(view, positions.to(view.device), values)
+        for projection in self.projections(self.checked_ids if pin_ids is None else pin_ids):
+            tensor = parameters.get(projection.name)
+            if tensor is not None:
+                projection.apply(tensor.detach())
 
     def force(self) -> None:
-        """Write the targets of every active pin now (e.g. after loading weights on resume)."""
+        """Write the targets of every active pin now, and force their stuck bits and bounds (e.g.
+        after loading weights on resume)."""
         with torch.no_grad():
             self._write(self.targets())
+            for projection in self.fault_projections():
+                projection.apply(projection.target.parameter.data)
 
     @torch.no_grad()
     def reset_optimizer_state(self, optimizer: Optimizer, pin_ids: Iterable[int]) -> None:
@@ -492,7 +540,7 @@ class PinEngine:
         """
         if not self.park:
             return
-        key = frozenset(i for i in self.active if self.plan.pins[i].when is None and True)
+        key = frozenset(i for i in self.active if self.plan.pins[i].when is None and self._is_value_pin(i))
         self._parking.park(optimizer, self.plan, key, self.whole_grads)
 
     def _unpark(self, optimizer: Optimizer) -> None:
@@ -502,7 +550,7 @@ class PinEngine:
         """When a step-window pin stops, its elements go on from fresh (zero) statistics: unpark,
         and zero what coupled L2 decay fed into the moments while the gradient was masked. Pins
         still active are parked again after the next step."""
-        window_pins = [i for i in stopped if self.plan.pins[i].when is None]
+        window_pins = [i for i in stopped if self.plan.pins[i].when is None and self._is_value_pin(i)]
         if window_pins:
             for optimizer in self._optimizers:
                 self._unpark(optimizer)
@@ -538,7 +586,8 @@ class PinEngine:
         ``pin_ids`` defaults to the active pins.
         """
         found = []
-        for target in self.targets(pin_ids):
+        for projection in self.projections(pin_ids):
+            target = projection.target
             tensor = target.parameter if parameters is None else parameters.get(target.name)
             if tensor is None:
                 raise PinError(f"verify: the module has no parameter {target.name!r}, which is pinned")
@@ -550,20 +599,27 @@ class PinEngine:
                     f"shape {tuple(target.parameter.shape)}; verify the module that was trained, or resolve "
                     "the pins again on the new one"
                 )
+            if projection.kind == "stuck_bits" and tensor.dtype != target.parameter.dtype:
+                raise PinError(
+                    f"verify: {target.name!r} is {tensor.dtype} here but its stuck bits are bits of "
+                    f"{target.parameter.dtype}; verify a copy in the parameter's dtype"
+                )
             tensor = tensor.detach()
-            view, positions, values = target.part(tensor)
-            actual = view.reshape(-1) if positions is None else view.index_select(0, positions)
-            expected = values.reshape(-1).to(actual.device)
-            off = actual != expected
+            actual, off = projection.off(tensor)
             if bool(off.any()):
                 where = off.nonzero().squeeze(1)[:examples]
                 # Coordinates from the row-major full-tensor index, not from storage positions.
                 flat_at = target.flat_index_of(tensor, where)
                 coords = torch.stack(torch.unravel_index(flat_at, tuple(tensor.shape)), dim=1).tolist()
-                shown = [
-                    (tuple(c), actual[w].item(), expected[w].item()) for c, w in zip(coords, where.tolist())
-                ]
-                found.append(Violation(target.name, int(off.sum()), shown))
+                if isinstance(projection, ExactValue):
+                    shown = [
+                        (tuple(c), actual[w].item(), projection.target_at(w)) for c, w in zip(coords, where.tolist())
+                    ]
+                else:
+                    shown = [
+                        (tuple(c), actual[w].item(), projection.expected(w)) for c, w in zip(coords, where.tolist())
+                    ]
+                found.append(Violation(target.name, int(off.sum()), shown, projection.kind))
         return found
 
     # ----------------------------------------------------------------------------------------
@@ -574,14 +630,7 @@ class PinEngine:
         pins = []
         for pin_id, rp in enumerate(self.plan.pins):
             captured = self.captured.get(pin_id, {})
-            pins.append(
-                {
-                    name: SavedSelection(
-                        s.index, s.values if s.values is not None else captured.get(name), s.values is not None
-                    )
-                    for name, s in rp.selections.items()
-                }
-            )
+            pins.append({name: _saved_selection(s, captured.get(name)) for name, s in rp.selections.items()})
         fingerprints = tuple(rp.pin.fingerprint() for rp in self.plan.pins)
         return PinState(fingerprints, tuple(pins), self.active, self.last_step_active, step)
 
@@ -632,7 +681,7 @@ class PinEngine:
             captured = {
                 name: saved.pins[pin_id][name].target.to(device=s.parameter.device, dtype=s.parameter.dtype)
                 for name, s in self.plan.pins[pin_id].selections.items()
-                if s.values is None and saved.pins[pin_id][name].target is not None
+                if s.kind == "value" and s.values is None and saved.pins[pin_id][name].target is not None
             }
             if captured:
                 self.captured[pin_id] = captured
@@ -654,6 +703,17 @@ class PinEngine:
             ):
                 problems.append(f"the selected elements of {name!r} differ")
                 continue
+            if saved[name].kind != selection.kind:
+                problems.append(f"{name!r} was saved as a {saved[name].kind} pin, now is a {selection.kind} pin")
+                continue
+            if selection.kind != "value":
+                mine = _saved_selection(selection, None)
+                fields = ("stuck_at_zero", "stuck_at_one") if selection.kind == "stuck_bits" else ("low", "high")
+                for field in fields:
+                    theirs = getattr(saved[name], field)
+                    if theirs.dtype != getattr(mine, field).dtype or not torch.equal(theirs, getattr(mine, field)):
+                        problems.append(f"the saved {field} of {name!r} differ from the spec's")
+                continue
             if target is None:
                 continue
             if tuple(target.shape) != (tuple(selection.parameter.shape) if index is None else (index.numel(),)):
@@ -665,6 +725,19 @@ class PinEngine:
             elif selection.values is not None and not torch.equal(stored, selection.values.cpu()):
                 problems.append(f"the explicit values for {name!r} differ from the saved ones")
         return problems
+
+
+def _saved_selection(selection: Selection, captured: Tensor | None) -> SavedSelection:
+    """What the state saves of one selection (see :mod:`lightning_pin.core.state`)."""
+    if selection.kind == "stuck_bits":
+        return SavedSelection(
+            selection.index, None, True, "stuck_bits",
+            stuck_at_zero=selection.stuck_at_zero.cpu(), stuck_at_one=selection.stuck_at_one.cpu(),
+        )
+    if selection.kind == "bounds":
+        return SavedSelection(selection.index, None, True, "bounds", low=selection.low.cpu(), high=selection.high.cpu())
+    explicit = selection.values is not None
+    return SavedSelection(selection.index, selection.values if explicit else captured, explicit)
 
 
 def _zero_grad_of(target: Target, grad: Tensor) -> None:
