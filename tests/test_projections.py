@@ -240,7 +240,9 @@ REFUSED = {
     "repeated element, different masks": (
         [Pin("enc.weight", indices=[(0, 0), (0, 0)], stuck_at_one=[1, 2])], "different stuck bits"
     ),
-    "dict without the parameter": ([Pin("enc.bias", stuck_at_one={"head.bias": 1, "head.weight": 2})], "no entry for parameter"),
+    "dict without the parameter": (
+        [Pin("enc.bias", stuck_at_one={"head.bias": 1, "head.weight": 2})], "no entry for parameter"
+    ),
 }
 
 
