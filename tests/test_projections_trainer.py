@@ -153,3 +153,41 @@ def test_refused_faults_stop_fit_before_any_weight_changes(pins, match):
         trainer(max_epochs=1, callbacks=[PinCallback(pins, verbose=False)]).fit(model, make_loader())
     for name, value in snapshot(model).items():
         assert torch.equal(value, before[name]), name
+
+
+def test_true_bfloat16_training_holds_bfloat16_stuck_bits():
+    torch.manual_seed(0)
+    model = TinyNet()
+    pins = [Pin("encoder.weight", indices=ELEMENTS, stuck_at_zero=0x8000, stuck_at_one=0x0040),
+            Pin("head.weight", bounds=(LOW, HIGH))]
+    recorder = StepRecorder()
+    cb = PinCallback(pins, verbose=False)
+    trainer(max_epochs=1, precision="bf16-true", callbacks=[cb, recorder]).fit(model, make_loader())
+    assert model.encoder.weight.dtype == torch.bfloat16 and len(recorder.steps) == 8
+    for record in recorder.steps:
+        b = record["params"]["encoder.weight"][ROWS, COLS].contiguous().view(torch.int16)
+        assert torch.equal(b & -(2**15), torch.zeros_like(b)) and torch.equal(b & 0x0040, torch.full_like(b, 0x0040))
+        w = record["params"]["head.weight"]
+        assert bool(((w >= LOW) & (w <= HIGH)).all())
+    cb.verify(model)
+
+
+@pytest.mark.parametrize(
+    ("pins", "match"),
+    [
+        ([Pin("encoder.weight", indices=[(0, 0)], stuck_at_zero=0x80000000)], "wider than torch.bfloat16"),
+        ([Pin("encoder.weight", indices=[(0, 0)], stuck_at_one=0x7F80)], "inf or NaN"),  # float32's are free
+        ([Pin("head.bias", bounds=(-3.4e38, 0))], "overflow torch.bfloat16"),  # float32 holds it
+    ],
+    ids=["float32 mask", "bfloat16 exponent", "bound"],
+)
+def test_faults_that_do_not_fit_the_true_half_dtype_are_refused_before_the_cast(pins, match):
+    model = TinyNet()
+    before = snapshot(model)
+    with pytest.raises(PinError, match=match):
+        trainer(max_epochs=1, precision="bf16-true", callbacks=[PinCallback(pins, verbose=False)]).fit(
+            model, make_loader()
+        )
+    assert model.encoder.weight.dtype == torch.float32  # refused in setup, before Lightning cast the module
+    for name, value in snapshot(model).items():
+        assert torch.equal(value, before[name]), name
