@@ -6,11 +6,15 @@ Expected values are computed here (snapshots, explicit numbers) and compared wit
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
+from helpers import TinyNet, first_label_is_zero, make_loader, trainer
 from torch import nn
 
-from lightning_pin import Pin, PinError, pin
+from lightning_pin import Pin, PinCallback, PinError, pin
 from lightning_pin.core.state import CorruptPinState, PinState
 
 
@@ -189,3 +193,72 @@ def test_non_finite_captured_targets_are_corrupt(bad):
         handle.load_state_dict(state)
     assert _unchanged(model, before)
     handle.remove()
+
+
+# --------------------------------------------------------------------------------------------
+# 7. Weights loaded after the pins were set: every active pin holds after the next step
+
+
+def test_load_state_dict_after_pin_is_undone_by_the_next_step():
+    model = _net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    whole_target = model[0].weight.detach().clone()  # captured when pinned (value=None)
+    pins = [Pin("0.weight"), Pin("2.bias", value=0.5), Pin("2.weight", indices=[(0, 0)], value=2.0)]
+    with pin(model, optimizer, pins) as handle:
+        _train(model, optimizer, steps=2)
+        other = _net()
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(1.0)  # every loaded value differs from its target
+        model.load_state_dict(other.state_dict())
+        _train(model, optimizer, steps=1)
+        assert torch.equal(model[0].weight.detach(), whole_target)
+        assert torch.equal(model[2].bias.detach(), torch.full((2,), 0.5))
+        assert model[2].weight[0, 0].item() == 2.0
+        handle.verify()
+
+
+class _LoadsMidway(TinyNet):
+    """Loads other weights into itself in the middle of training (a user's reset, a hot swap)."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            other = TinyNet()
+            with torch.no_grad():
+                for p in other.parameters():
+                    p.add_(1.0)
+            self.load_state_dict(other.state_dict())
+        return super().training_step(batch, batch_idx)
+
+
+def test_load_state_dict_during_fit_is_undone_by_the_callback():
+    model = _LoadsMidway()
+    target = model.encoder.weight.detach().clone()
+    cb = PinCallback([Pin("encoder.weight"), Pin("head.bias", value=0.5)], monitor=False, verbose=False, verify="step")
+    trainer(callbacks=[cb], max_steps=4).fit(model, make_loader(n=32))
+    assert torch.equal(model.encoder.weight.detach(), target)
+    assert torch.equal(model.head.bias.detach(), torch.full((3,), 0.5))
+
+
+# --------------------------------------------------------------------------------------------
+# 10. A fit that ran no step; a lambda `when` under ddp_spawn
+
+
+@pytest.mark.parametrize("limit", [dict(max_steps=0), dict(limit_train_batches=0), dict(max_epochs=0)])
+def test_a_fit_without_a_step_says_the_pins_were_never_applied(limit):
+    cb = PinCallback([Pin("head.bias", value=1.0)], monitor=False, verbose=False)
+    with pytest.raises(PinError, match="ran no training step .* so the pins were never applied: 3 pinned element"):
+        trainer(callbacks=[cb], **limit).fit(TinyNet(), make_loader(n=16))
+
+
+def test_a_lambda_when_under_ddp_spawn_names_the_pin_and_the_fix_before_spawning():
+    cb = PinCallback([Pin("head.bias", value=1.0, when=lambda batch, batch_idx: True)], monitor=False, verbose=False)
+    model = TinyNet()
+    before = _snapshot(model)
+    with pytest.raises(PinError, match=r"when=.*<lambda> cannot be sent to the processes strategy='ddp_spawn'.*"
+                                       r"import path as a string"):
+        trainer(callbacks=[cb], strategy="ddp_spawn", devices=2, max_steps=1).fit(model, make_loader(n=16))
+    assert _unchanged(model, before)
+    # Outside a spawn (deepcopy, plain pickling of an importable `when`) the callback still copies.
+    copy.deepcopy(cb)
+    pickle.loads(pickle.dumps(PinCallback([Pin("head.bias", when=first_label_is_zero)])))
