@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing.context
 import os
+import pickle
 import tempfile
 import uuid
 import weakref
@@ -123,6 +125,10 @@ class PinCallback(Callback):
         #: global_step at the end of the last fit (None before): what "active" means without a step.
         self._end_step: Optional[int] = None
         self._when_hits: frozenset[int] = frozenset()
+        # Whether this fit forced the pins into the weights (on_train_start). Lightning skips
+        # training entirely for max_steps=0, max_epochs=0, limit_train_batches=0 or an empty
+        # loader: then a check must say that the pins were never applied, not just "off target".
+        self._applied = False
         # Under ddp_spawn this object is pickled into the workers and the copy in the main
         # process never runs a hook; rank 0 leaves its state in this file for verify().
         self._handoff = os.path.join(tempfile.gettempdir(), f"lightning_pin-{uuid.uuid4().hex}.pt")
@@ -137,6 +143,13 @@ class PinCallback(Callback):
         if self._copy_index:
             return self._generate_state_key(pins=self._fingerprints, copy=self._copy_index)
         return self._generate_state_key(pins=self._fingerprints)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if multiprocessing.context.get_spawning_popen() is not None:
+            # Pickled into a process being spawned (ddp_spawn, in the main process, before any
+            # hook runs): a `when` that cannot travel would fail deep in pickle, naming no pin.
+            _refuse_unpicklable_when(self.pins)
+        return self.__dict__.copy()
 
     # ------------------------------------------------------------------------------------------
     # Set-up and tear-down
@@ -166,6 +179,7 @@ class PinCallback(Callback):
         _check_other_pin_callbacks(trainer, self, plan)
         self.engine = PinEngine(plan)
         self._fitting = True
+        self._applied = False
         _LIVE.get(tuple(self._fingerprints), set()).discard(self)
         if self.monitor is not None:
             self.monitor.setup(trainer, module, self.engine)
@@ -192,6 +206,7 @@ class PinCallback(Callback):
             self.monitor.before_force(trainer, pl_module)  # the baseline: no pin forced yet
         self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
         self.engine.force()
+        self._applied = True
         for _, averaged in averaged_modules(trainer):
             self._pin_averaged(averaged)  # copied at setup, before any pin was forced
         if self.monitor is not None:
@@ -352,6 +367,13 @@ class PinCallback(Callback):
                 raise PinError(f"{int(total)} pinned element(s) off target on other ranks' shards")
         if violations:
             total = sum(v.count for v in violations)
+            if not self._applied and self.engine is not None and self.engine.last_step_active is None:
+                raise PinError(
+                    "the fit ran no training step (max_steps=0, max_epochs=0, limit_train_batches=0 or an empty "
+                    f"train dataloader?), so the pins were never applied: {total} pinned element(s) still hold "
+                    f"the module's own values{where}. Train at least one step, or remove the PinCallback from a "
+                    "run that does not train:\n" + "\n".join(f"  {v}" for v in violations)
+                )
             raise PinError(
                 f"{total} pinned element(s) off target{where}:\n" + "\n".join(f"  {v}" for v in violations)
             )
@@ -453,6 +475,26 @@ def _check_other_pin_callbacks(trainer: pl.Trainer, callback: PinCallback, plan:
     earlier = [cb.engine.plan for cb in others if cb.engine is not None and cb._fitting]
     if earlier:
         check_conflicts([rp for p in earlier for rp in p.pins] + list(plan.pins))
+
+
+def _refuse_unpicklable_when(pins: Sequence[Pin]) -> None:
+    """Every callable ``when`` must pickle: spawned processes receive the callback by pickle.
+
+    Raises:
+        PinError: naming the pin whose ``when`` cannot be pickled and the fix.
+    """
+    for each in pins:
+        if callable(each.when):
+            try:
+                pickle.dumps(each.when)
+            except Exception as err:  # PicklingError, AttributeError, TypeError: depends on the object
+                name = getattr(each.when, "__qualname__", type(each.when).__name__)
+                raise PinError(
+                    f"{each!r}: when={name} cannot be sent to the processes strategy='ddp_spawn' starts "
+                    f"({type(err).__name__}: {err}). Give a function defined at module level of an importable "
+                    "module, or its import path as a string (when='package.module.function'); lambdas and "
+                    "local functions cannot be pickled. Or use strategy='ddp', which does not pickle callbacks"
+                ) from err
 
 
 def _first_pin_callback(trainer: pl.Trainer) -> Optional[PinCallback]:

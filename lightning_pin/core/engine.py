@@ -157,6 +157,10 @@ class PinEngine:
         self._optimizer_names: dict[int, tuple[tuple[int, ...], frozenset[str]]] = {}
         self._optimizers: list[Optimizer] = []
         self._dropped: set[str] = set()
+        # Version counters of whole pinned tensors right after the engine wrote them (writes
+        # through .data do not count): another write since (model.load_state_dict, a user's
+        # copy_) moves the counter, and the restore must not take the tensor as untouched.
+        self._written_version: dict[str, int] = {}
         self._by_name: dict[frozenset[int], dict[str, Target]] = {}
         self._faults: dict[frozenset[int], list[Projection]] = {}
         # Observers of each restore: id -> (hook, wants_stats). See register_restore_hook.
@@ -447,7 +451,12 @@ class PinEngine:
         # still holds its target, and copying it back would cost a full pass over it.
         untouched, todo = [], []
         for target in owned:
-            skipped = skips and target.index is None and target.name in self._dropped
+            skipped = (
+                skips
+                and target.index is None
+                and target.name in self._dropped
+                and self._written_version.get(target.name) == target.parameter._version
+            )
             (untouched if skipped else todo).append(target)
         self._dropped.difference_update(t.name for t in owned)
         faults = self.fault_projections()
@@ -482,6 +491,7 @@ class PinEngine:
             view, positions, values = target.part(target.parameter.data)
             if positions is None:
                 view.copy_(values)
+                self._written_version[target.name] = target.parameter._version
             else:
                 copy_at(view, positions, values)
 

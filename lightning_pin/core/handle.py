@@ -20,6 +20,7 @@ counts that step, as reading ``found_inf`` would cost a host-device sync per ste
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
@@ -31,10 +32,14 @@ from torch.utils.hooks import RemovableHandle
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.modules import unwrap
-from lightning_pin.core.plan import refuse_sparse_gradients, resolve
+from lightning_pin.core.plan import PinPlan, check_conflicts, refuse_sparse_gradients, resolve
 from lightning_pin.core.spec import Pin
 
 PinsLike = Union[Pin, Mapping[str, Any], Sequence[Union[Pin, Mapping[str, Any]]]]
+
+# Live (not removed) handles by the module they pin: a second pin() on the same module is checked
+# against them, as PinCallback checks the other PinCallbacks of its trainer.
+_LIVE: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[PinHandle]] = weakref.WeakKeyDictionary()
 
 
 def as_pins(pins: PinsLike) -> list[Pin]:
@@ -141,6 +146,14 @@ class PinHandle:
         # before the first step rather than in pin(): a resume may load the optimizer's state
         # after pin(), and load_state_dict() then cancels this (the saved run zeroed them already).
         self._pending_reset: list[int] = []
+        self._removed = False
+        # What each pinned parameter was when the pins were resolved: the object itself and its
+        # dtype and device. A step is refused if the module holds another object under the name
+        # (re-initialised, tied, replaced) or the tensor was cast or moved: the engine would
+        # restore into a tensor the module no longer uses, or fail inside the step.
+        self._planned = {
+            name: (parameter, parameter.dtype, parameter.device) for name, parameter in engine.plan.parameters.items()
+        }
 
     def _attach(self) -> None:
         engine = self.engine
@@ -152,6 +165,42 @@ class PinHandle:
             self._handles.append(optimizer.register_step_post_hook(self._after_step))
 
     # ------------------------------------------------------------------------------------------
+    # Checks that the handle still applies
+
+    def _refuse_if_removed(self, call: str) -> None:
+        if self._removed:
+            raise PinError(
+                f"handle.{call}() on a removed PinHandle: its pins were removed (handle.remove() or the end of "
+                "its `with` block) and it changes nothing any more; call pin(...) again to pin anew"
+            )
+
+    def _check_module(self, when: str) -> None:
+        """Raise if a pinned parameter was replaced, cast or moved since :func:`pin` resolved it.
+
+        Host-side only (identity, dtype and device of Python objects): no device sync.
+        """
+        for name, (planned, dtype, device) in self._planned.items():
+            try:
+                current = self.module.get_parameter(name)
+            except AttributeError:
+                current = None
+            if current is not planned:
+                now = "is gone from the module" if current is None else "is no longer the tensor pin() resolved"
+                raise PinError(
+                    f"{when}: the pinned parameter {name!r} {now} (re-initialised, tied or replaced by a new "
+                    "nn.Parameter after pin()?): the pins hold the old tensor, not the one the module trains. "
+                    "Replace parameters before calling pin(), or call handle.remove() and pin(...) again on the "
+                    "module as it is now"
+                )
+            if planned.dtype != dtype or planned.device != device:
+                raise PinError(
+                    f"{when}: the pinned parameter {name!r} was cast or moved from {dtype} on {device} to "
+                    f"{planned.dtype} on {planned.device} after pin() (model.double(), model.to(...), Fabric's "
+                    "setup with a '-true' precision?); its targets are in the old dtype. Cast or move the module "
+                    "first (Fabric: fabric.setup(...)), then call pin()"
+                )
+
+    # ------------------------------------------------------------------------------------------
     # The loop
 
     def batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -159,8 +208,11 @@ class PinHandle:
 
         Raises:
             PinError: a ``when`` returned something other than a bool (or 0-d bool tensor), or
-                has the wrong signature.
+                has the wrong signature; the handle was removed; a pinned parameter was
+                replaced, cast or moved after :func:`pin`.
         """
+        self._refuse_if_removed("batch_start")
+        self._check_module("handle.batch_start")
         agree = None
         if _world_size() > 1:
             device = self.engine.device
@@ -173,6 +225,7 @@ class PinHandle:
         self.engine.set_active(self.engine.ids_at(self.step, self._hits))
 
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self._check_module("before optimizer.step()")
         if self._has_when and id(optimizer) not in self._decided:
             raise PinError(
                 "a pin has `when`, but handle.batch_start(batch, batch_idx) was not called since this "
@@ -205,8 +258,11 @@ class PinHandle:
 
         Raises:
             PinError: an active pinned element is off target, or a pinned parameter is missing
-                from ``module`` or changed shape.
+                from ``module`` or changed shape; without ``module``, also when a pinned parameter
+                of the pinned module was replaced, cast or moved after :func:`pin`.
         """
+        if module is None:
+            self._check_module("handle.verify")
         engine = self.engine
         pin_ids = engine.last_step_active if engine.last_step_active is not None else engine.active
         parameters = None if module is None else dict(unwrap(module).named_parameters(remove_duplicate=False))
@@ -230,8 +286,11 @@ class PinHandle:
         the mismatching pins start afresh.
 
         Raises:
-            PinError: the state is corrupt or does not match these pins (with ``strict``).
+            PinError: the state is corrupt or does not match these pins (with ``strict``), or the
+                handle was removed.
         """
+        self._refuse_if_removed("load_state_dict")
+        self._check_module("handle.load_state_dict")
         saved = self.engine.load_state_dict(state, strict=self.strict if strict is None else strict)
         if saved is not None:
             # The saved run zeroed the statistics of its pins when they activated; the loaded
@@ -243,11 +302,19 @@ class PinHandle:
         self.engine.force()
 
     def remove(self) -> None:
-        """Remove every hook this handle placed; the weights keep their values."""
+        """Remove every hook this handle placed; the weights keep their values.
+
+        A removed handle changes nothing any more: :meth:`batch_start` and :meth:`load_state_dict`
+        raise :class:`PinError`; :meth:`verify` and :meth:`state_dict` still report on the pins.
+        """
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self.engine.detach()
+        self._removed = True
+        live = _LIVE.get(self.module)
+        if live is not None:
+            live.discard(self)
 
     def __enter__(self) -> PinHandle:
         return self
@@ -302,12 +369,21 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         >>> model.weight[0, 0].item(), handle.step
         (0.5, 3)
     """
+    if not isinstance(module, nn.Module):
+        raise PinError(f"pin() needs the torch.nn.Module being trained as its first argument, got {_kind(module)}")
     optimizer_list = [optimizers] if not isinstance(optimizers, (list, tuple)) else list(optimizers)
     target = unwrap(module)
     try:
+        if not optimizer_list:
+            raise PinError(
+                "pin() was given no optimizer: the pins hook into the optimizers' steps, so without one nothing "
+                "would hold them. Pass the optimizer(s) that train the module: pin(model, optimizer, pins)"
+            )
         optimizer_list = [unwrap_optimizer(o) for o in optimizer_list]
         engine: Optional[PinEngine] = PinEngine(resolve(as_pins(pins), target))  # every check, nothing touched
         refuse_sparse_gradients(engine.plan, target)
+        _refuse_unheld_parameters(engine.plan, optimizer_list)
+        _refuse_conflicts_with_live_handles(engine.plan, target)
         rejected = None
     except PinError as err:
         engine, rejected = None, err
@@ -326,4 +402,48 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     except BaseException:
         handle.remove()  # no hook left behind
         raise
+    _LIVE.setdefault(target, weakref.WeakSet()).add(handle)
     return handle
+
+
+def _kind(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _refuse_unheld_parameters(plan: PinPlan, optimizers: Sequence[Optimizer]) -> None:
+    """Every pinned parameter that requires grad must be in one of ``optimizers``.
+
+    pin() hooks only the optimizers it is given: another optimizer stepping a pinned parameter
+    (its weight decay, its momentum) would move it with nothing to restore it.
+
+    Raises:
+        PinError: naming the pinned trainable parameters no given optimizer holds.
+    """
+    held = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+    missing = [name for name, p in plan.parameters.items() if p.requires_grad and id(p) not in held]
+    if missing:
+        raise PinError(
+            f"pinned parameter(s) {missing[:10]} require grad but are in none of the optimizer(s) given to pin(): "
+            "another optimizer stepping them would move them unseen. Pass every optimizer that updates the "
+            "module to pin(model, [opt1, opt2], pins), or set requires_grad=False on parameters no optimizer "
+            "trains"
+        )
+
+
+def _refuse_conflicts_with_live_handles(plan: PinPlan, module: nn.Module) -> None:
+    """A second pin() on one module may not give an element another value than a live handle's pins.
+
+    Raises:
+        PinError: as for two pins of one call (see :func:`~lightning_pin.core.plan.check_conflicts`),
+            naming both pins.
+    """
+    live = [h for h in _LIVE.get(module, ()) if not h._removed]
+    if live:
+        try:
+            check_conflicts([rp for h in live for rp in h.engine.plan.pins] + list(plan.pins))
+        except PinError as err:
+            raise PinError(
+                f"{err} (another pin() on this module is still active: remove its handle first, or pin both in "
+                "one call)"
+            ) from err

@@ -241,10 +241,10 @@ def resolve(
         selections: dict[str, Selection] = {}
         matched = _match(pin, named, aliases, warn)
         for name in matched:
-            selection = _select(pin, name, named[name], files, matched, aliases)
+            selection = _select(pin, name, named[name], files, matched, aliases, named)
             user_index = selection.index
-            faults = _fault_targets(pin, selection, files, matched, aliases)
-            selection.values = _targets(pin, selection, files, warn, matched, aliases)
+            faults = _fault_targets(pin, selection, files, matched, aliases, named)
+            selection.values = _targets(pin, selection, files, warn, matched, aliases, named)
             if faults is not None:
                 if user_index is not None:
                     faults = fault_plan.sort_like_index(pin, name, user_index, faults, pin.kind.replace("_", " "))
@@ -387,13 +387,14 @@ def _select(
     files: dict[str, Any],
     matched: Sequence[str],
     aliases: Mapping[str, Sequence[str]],
+    named_names: Iterable[str] = (),
 ) -> Selection:
     shape = tuple(parameter.shape)
     if pin.indices is not None:
         flat = _flat_from_indices(pin, name, shape)
         how = "indices"
     elif pin.mask is not None:
-        mask = _by_name(pin, "mask", name, _load(pin, "mask", pin.mask, files), matched, aliases)
+        mask = _by_name(pin, "mask", name, _load(pin, "mask", pin.mask, files), matched, aliases, named_names)
         # Type, dtype and emptiness: of a mask from a file or a dict entry, checked here once more.
         check_mask(pin, mask, f" for {name!r}")
         if tuple(mask.shape) != shape:
@@ -506,7 +507,12 @@ def _clip(value: Any) -> str:
 
 
 def _fault_targets(
-    pin: Pin, selection: Selection, files: dict[str, Any], matched: Sequence[str], aliases: Mapping[str, Sequence[str]]
+    pin: Pin,
+    selection: Selection,
+    files: dict[str, Any],
+    matched: Sequence[str],
+    aliases: Mapping[str, Sequence[str]],
+    named_names: Iterable[str] = (),
 ) -> tuple[Tensor, Tensor] | None:
     """Stuck-bit masks or bounds of ``selection``, in its (user) order; None for a value pin."""
     name, parameter, index = selection.name, selection.parameter, selection.index
@@ -515,11 +521,11 @@ def _fault_targets(
         for field in ("stuck_at_zero", "stuck_at_one"):
             source = getattr(pin, field)
             loaded = None if source is None else _load(pin, field, source, files)
-            raws.append(None if source is None else _by_name(pin, field, name, loaded, matched, aliases))
+            raws.append(None if source is None else _by_name(pin, field, name, loaded, matched, aliases, named_names))
         from_file = isinstance(pin.stuck_at_zero, (str, Path)) or isinstance(pin.stuck_at_one, (str, Path))
         return fault_plan.stuck_masks(pin, name, parameter, index, raws[0], raws[1], from_file)
     if pin.kind == "bounds":
-        low, high = (_by_name(pin, "bounds", name, side, matched, aliases) for side in pin.bounds)
+        low, high = (_by_name(pin, "bounds", name, side, matched, aliases, named_names) for side in pin.bounds)
         return fault_plan.bounds_for(pin, name, parameter, index, low, high)
     return None
 
@@ -544,12 +550,13 @@ def _targets(
     warn: Callable[[str], Any],
     matched: Sequence[str],
     aliases: Mapping[str, Sequence[str]],
+    named_names: Iterable[str] = (),
 ) -> Tensor | None:
     """Sort and dedupe ``selection.index`` in place, and return its explicit targets (or None)."""
     name, parameter = selection.name, selection.parameter
     raw = None
     if pin.value is not None:
-        raw = _by_name(pin, "value", name, _load(pin, "value", pin.value, files), matched, aliases)
+        raw = _by_name(pin, "value", name, _load(pin, "value", pin.value, files), matched, aliases, named_names)
         if isinstance(pin.value, (str, Path)):
             # Values given in memory were checked when the Pin was built; a file's only now.
             check_value(pin, raw, f" for {name!r}")
@@ -708,12 +715,19 @@ def _load(pin: Pin, field: str, source: Any, files: dict[str, Any]) -> Any:
 
 
 def _by_name(
-    pin: Pin, field: str, name: str, source: Any, matched: Sequence[str], aliases: Mapping[str, Sequence[str]]
+    pin: Pin,
+    field: str,
+    name: str,
+    source: Any,
+    matched: Sequence[str],
+    aliases: Mapping[str, Sequence[str]],
+    named_names: Iterable[str] = (),
 ) -> Any:
     """Pick ``name``'s entry from a dict keyed by parameter name (any name of a tied tensor).
 
-    A single-entry dict under another key (a one-tensor .safetensors file, say) serves a pin that
-    matches exactly one parameter.
+    A single-entry dict under a key that names no parameter of the module (``named_names``, or a
+    tied alias) serves a pin that matches exactly one parameter (a one-tensor .safetensors file,
+    say). A dict keyed by other parameters of the module, not this one, is an error.
     """
     if not isinstance(source, Mapping):
         return source
@@ -732,7 +746,19 @@ def _by_name(
                     "tensor (tied weights); give one"
                 )
         return first
+    every = {*named_names, *(a for others in aliases.values() for a in others)}
+    every |= {_strip_compile_prefix(n) for n in every}
+    others = sorted(k for k in source if isinstance(k, str) and (k in every or _strip_compile_prefix(k) in every))
+    if others:
+        # Keyed by the module's parameter names, but not this one's: applying an entry meant for
+        # another parameter (because its shape fits) would pin values nobody chose.
+        raise PinError(
+            f"{pin!r}: {field} has no entry for parameter {name!r}; it is keyed by parameter names and its keys "
+            f"are {sorted(map(str, source))[:10]}. Add an entry under {name!r}, or give a bare tensor for one "
+            "parameter"
+        )
     if len(source) == 1 and len(matched) == 1:
+        # One entry under a key that names no parameter (a one-tensor .safetensors file): by shape.
         return next(iter(source.values()))
     raise PinError(f"{pin!r}: {field} has no entry for parameter {name!r}; its keys are {sorted(source)[:10]}")
 

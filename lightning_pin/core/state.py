@@ -189,8 +189,11 @@ def _read_pin(pin_id: int, entry: Any, corrupt: Any, version: int) -> dict[str, 
                 raise corrupt(f"{at}: 'target' must be a tensor or None, got {_show(target)}")
             if index is not None and tuple(target.shape) != (index.numel(),):
                 raise corrupt(f"{at}: {index.numel()} indices but targets of shape {tuple(target.shape)}")
-            if explicit and target.is_floating_point() and not bool(torch.isfinite(target).all()):
-                raise corrupt(f"{at}: explicit targets hold NaN or infinity, which no spec can give")
+            if target.is_floating_point() and not bool(torch.isfinite(target).all()):
+                # Neither a spec (checked when built) nor a capture (of trained weights) gives
+                # NaN or infinity: pinning them would poison the weights for good.
+                which = "explicit" if explicit else "captured"
+                raise corrupt(f"{at}: {which} targets hold NaN or infinity, which no pin can give")
         kind = saved.get("kind", "value") if version >= 3 else "value"
         if kind not in KINDS:
             raise corrupt(f"{at}: 'kind' is {kind!r}, not one of {list(KINDS)}")
