@@ -8,7 +8,7 @@ learned in sequence with one AdamW optimizer (weight decay 0.01) and one LR sche
 - requires_grad=False: the tutorial's way: after a task, its layers (the trunk after task 1, each
   head after its task) get requires_grad=False and zeroed gradients. AdamW still moves them, with
   the moments it stored and with weight decay;
-- TaskOwnership: each task trains the free elements, prunes half of them (smallest magnitude) for
+- TaskOwnership: each task trains the free elements, prunes 75% of them (smallest magnitude) for
   later tasks, fine-tunes what it kept and owns it; pins hold every earlier task's elements bit
   for bit; each task's BatchNorm statistics are snapshotted; it is evaluated inside own.view(j).
 
@@ -33,7 +33,7 @@ from lightning_pin.reporting.continual import print_comparison, write_continual_
 from lightning_pin.tasks import AccuracyMatrix, TaskOwnership
 
 TASKS = 5
-PRUNE = 0.5
+PRUNE = 0.75
 
 
 class MultiHead(nn.Module):

@@ -451,6 +451,13 @@ class TaskOwnership:
         self._norm_snapshots = {int(t): {k: v.to(live[k].device) for k, v in s.items()}
                                 for t, s in state["norm_snapshots"].items()}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch.multiprocessing (ddp_spawn) hands tensors to the workers in shared memory: every
+        # process must own its copy, or the ranks prune one map in turn and derive different ones.
+        self.__dict__.update(state)
+        self.owner = {name: owner.clone() for name, owner in self.owner.items()}
+        self._norm_snapshots = {t: {k: v.clone() for k, v in s.items()} for t, s in self._norm_snapshots.items()}
+
     def __repr__(self) -> str:
         return (f"TaskOwnership({len(self.owner)} parameters, tasks: {self._describe()}, "
                 f"free: {self.free_fraction():.3f})")
