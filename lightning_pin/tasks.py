@@ -284,10 +284,14 @@ class TaskOwnership:
             smallest = order[torch.argsort(magnitude, stable=True)[:count]]
             plans[name] = (free, free[smallest])
         for name, (free, pruned) in plans.items():
-            owner = self.owner[name].view(-1)
+            owner = self.owner[name].view(-1)  # made contiguous in __init__
             owner[free] = task
             owner[pruned] = 0
-            self.parameters[name].view(-1)[pruned] = 0
+            parameter = self.parameters[name]
+            # A mask in the parameter's shape: writes through any layout (channels_last included).
+            zero = torch.zeros(parameter.numel(), dtype=torch.bool, device=parameter.device)
+            zero[pruned] = True
+            parameter.masked_fill_(zero.view(parameter.shape), 0)
         self._status[task] = _PRUNED
         return {name: int(pruned.numel()) for name, (_, pruned) in plans.items()}
 
@@ -344,9 +348,10 @@ class TaskOwnership:
                     parameter = self.parameters[name]
                     zeroed.append((parameter, mask, parameter.detach()[mask].clone()))
                     parameter.masked_fill_(mask, 0)
+                named = dict(self.module.named_parameters())
                 for later in (t for t in sorted(self.heads) if t > task):
                     for name in self.heads[later]:
-                        parameter = dict(self.module.named_parameters())[name]
+                        parameter = named[name]
                         swapped.append((parameter, parameter.detach().clone()))
                         parameter.zero_()
                 snapshot = self._norm_snapshot_for(task, status)
@@ -543,13 +548,11 @@ class AccuracyMatrix:
         """Plain JSON-ready data: ``matrix`` (None where not measured), ``average_accuracy``,
         ``bwt``, ``fingerprints`` and ``fingerprints_unchanged`` (each task's fingerprint stayed
         the same after every later task)."""
-        unchanged = all(
-            later.get(task) == first
-            for task in {t for f in self.fingerprints.values() for t in f}
-            for first in [self.fingerprints[min(i for i, f in self.fingerprints.items() if task in f)][task]]
-            for later in self.fingerprints.values()
-            if task in later
-        )
+        first_seen: dict[int, str] = {}
+        unchanged = True
+        for after in sorted(self.fingerprints):
+            for task, fingerprint in self.fingerprints[after].items():
+                unchanged &= first_seen.setdefault(task, fingerprint) == fingerprint
         measured = any(self.matrix[i][i] is not None for i in range(self.tasks))
         return {
             "tasks": self.tasks,

@@ -384,3 +384,72 @@ def test_heads_are_held_and_zero_in_earlier_views():
     with own.view(1):
         assert torch.equal(heads[1].weight.detach(), torch.zeros(2, 6))
     assert heads[1].weight.detach().abs().sum() > 0
+
+
+def test_norm_first_holds_the_layers_after_task_one():
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+    own = TaskOwnership(model, "*", norm="first")
+    run_phase(model, optimizer, own, 1, 3)
+    own.commit(1)
+    affine = [model.bn.weight.detach().clone(), model.bn.bias.detach().clone()]
+    with own.view(1):
+        stats1 = model.bn.running_mean.clone()
+    run_phase(model, optimizer, own, 2, 3)  # train mode: the live running statistics move
+    own.commit(2)
+    assert torch.equal(model.bn.weight.detach(), affine[0]) and torch.equal(model.bn.bias.detach(), affine[1])
+    assert not torch.equal(model.bn.running_mean, stats1)
+    with own.view(2):
+        assert torch.equal(model.bn.running_mean, stats1)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    name=st.sampled_from(sorted(OPTIMIZERS)),
+    fraction=st.sampled_from([0.0, 0.3, 0.75, 1.0]),
+    steps=st.integers(1, 3),
+)
+def test_backward_transfer_zero_for_any_optimizer_and_prune_fraction(name, fraction, steps):
+    model, _, own, log, after_own = train_sequence(OPTIMIZERS[name], steps=steps, fraction=fraction)
+    for task in range(1, TASKS + 1):
+        assert torch.equal(probe(model, own, task), after_own[task])
+    assert log.bwt() == 0.0 and log.to_dict()["fingerprints_unchanged"] is True
+
+
+def test_ownership_pins_add_no_sync_in_steady_state_steps():
+    """The pins of a pruned task (held masks, zeros) through pin(): per batch after the first, the
+    same sync-forcing ops as the same loop without pins (tests/test_syncs.py counts them)."""
+    import copy
+
+    from test_syncs import SyncCounter
+
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05, foreach=True)
+    own = TaskOwnership(model, "*")
+    run_phase(model, optimizer, own, 1, 2)
+    own.prune(1, 0.5)
+    own.commit(1)
+    run_phase(model, optimizer, own, 2, 2)
+    own.prune(2, 0.5)
+    start = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
+
+    def count(pins):
+        model.load_state_dict(start[0])
+        optimizer.load_state_dict(start[1])
+        counter = SyncCounter()
+        with pin(model, optimizer, pins), counter:
+            for step in range(8):
+                counter.batch = step
+                x, y = batch(2, step)
+                nn.functional.cross_entropy(model(x)[:, cols(2)], y).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                optimizer.step()
+                optimizer.zero_grad()
+                counter.batch = None
+        return counter
+
+    pins = own.pins(2)
+    assert len(pins) == 2  # task 1's elements held, task 2's pruned ones at zero
+    plain, pinned = count([]), count(pins)
+    for step in range(1, 8):
+        assert not pinned.counts[step] - plain.counts[step], (step, dict(pinned.counts[step] - plain.counts[step]))
