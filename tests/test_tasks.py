@@ -147,10 +147,14 @@ def test_statistics_of_newly_held_elements_are_cleared_and_the_optimizer_goes_on
     own = TaskOwnership(model, "*")
     run_phase(model, optimizer, own, 1, 3)
     own.prune(1, 0.5)
+    run_phase(model, optimizer, own, 1, 2)  # the retraining holds the pruned elements at zero
     own.commit(1)
     weight = model.fc1.weight
     held = own.owner["fc1.weight"] == 1
     assert optimizer.state[weight]["exp_avg"][held].abs().sum() > 0  # task 1 left momentum behind
+    # The pruned elements, free for task 2, start it from zero statistics (nothing parked is left).
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(optimizer.state[weight][key][~held], torch.zeros(int((~held).sum())))
     run_phase(model, optimizer, own, 2, 1)  # same optimizer object, its state and groups
     assert torch.equal(optimizer.state[weight]["exp_avg"][held], torch.zeros(int(held.sum())))
     assert optimizer.state[weight]["exp_avg"][~held].abs().sum() > 0  # task 2's elements trained
