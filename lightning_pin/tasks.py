@@ -29,6 +29,7 @@ import hashlib
 import math
 import numbers
 import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Optional, Union
 
@@ -164,6 +165,17 @@ class TaskOwnership:
         }
         self._status: dict[int, str] = {}
         self._norm_snapshots: dict[int, dict[str, Tensor]] = {}
+        loose = [n for n, p in self.module.named_parameters()
+                 if p.requires_grad and n not in self.parameters and n not in norm_params and n not in head_names]
+        if loose:
+            # Nothing holds them: later tasks train them, and views of earlier tasks see the change.
+            warnings.warn(
+                f"TaskOwnership: {len(loose)} trainable parameter(s) are neither shared ({params!r}), nor a head, nor "
+                f"part of a normalization layer, so no task owns them and later tasks will change them: "
+                f"{loose[:5]}{' ...' if len(loose) > 5 else ''}. Add them to params or heads, or freeze them.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------------------------------
     # Names and checks

@@ -175,7 +175,8 @@ def test_experiment_pins_resolve_on_their_model(tmp_path, option):
 
         settings = cfg.continual
         model = TaskIncremental(instantiate(cfg.model.backbone), settings.tasks, settings.classes_per_task)
-        own = TaskOwnership(model, settings.params, norm=settings.norm)
+        heads = {t: f"heads.{t - 1}.*" for t in range(1, settings.tasks + 1)}
+        own = TaskOwnership(model, settings.params, heads=heads, norm=settings.norm)
         own.pins(1)
         own.commit(1)
         assert own.pins(2) and sum(resolve(own.pins(2), model).pinned_counts().values()) > 0

@@ -359,8 +359,10 @@ def test_state_dict_round_trip_and_mismatch():
     other.load_state_dict(saved)
     assert [other.fingerprint(t) for t in (1, 2, 3)] == [own.fingerprint(t) for t in (1, 2, 3)]
     assert [p.fingerprint() for p in other.pins(4)] == [p.fingerprint() for p in own.pins(4)]
+    with pytest.warns(UserWarning, match="no task owns them"):
+        fewer = TaskOwnership(model, "fc1.*")
     with pytest.raises(PinError, match="owns parameters"):
-        TaskOwnership(model, "fc1.*").load_state_dict(saved)
+        fewer.load_state_dict(saved)
     with pytest.raises(PinError, match="not a TaskOwnership state"):
         other.load_state_dict({"owner": {}})
 
@@ -457,3 +459,9 @@ def test_ownership_pins_add_no_sync_in_steady_state_steps():
     plain, pinned = count([]), count(pins)
     for step in range(1, 8):
         assert not pinned.counts[step] - plain.counts[step], (step, dict(pinned.counts[step] - plain.counts[step]))
+
+
+def test_parameters_no_task_owns_are_named_in_a_warning():
+    model = Net()
+    with pytest.warns(UserWarning, match=r"no task owns them .*\['fc1.bias', 'fc2.bias'\]"):
+        TaskOwnership(model, "re:.*weight")
