@@ -465,3 +465,18 @@ def test_parameters_no_task_owns_are_named_in_a_warning():
     model = Net()
     with pytest.warns(UserWarning, match=r"no task owns them .*\['fc1.bias', 'fc2.bias'\]"):
         TaskOwnership(model, "re:.*weight")
+
+
+def test_tasks_module_imports_torch_and_core_only():
+    import ast
+    from pathlib import Path
+
+    import lightning_pin.tasks
+
+    tree = ast.parse(Path(lightning_pin.tasks.__file__).read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    forbidden = ("lightning", "pytorch_lightning", "hydra", "omegaconf", "torchmetrics", "lightning_pin.callbacks",
+                 "lightning_pin.app", "lightning_pin.reporting")
+    assert sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden)) == []
+    assert "lightning_pin.core.plan" in names  # the check looks at the real imports

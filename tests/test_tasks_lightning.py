@@ -137,7 +137,7 @@ def test_resume_mid_task_from_a_lightning_checkpoint(phase, tmp_path):
 
 
 class RankTaskNet(TaskNet):
-    """Prunes and commits at the end of each fit on every rank and writes what it derived."""
+    """Prunes and commits at the end of the fit on every rank and writes what it derived."""
 
     def __init__(self, out_dir: str):
         super().__init__()
@@ -145,13 +145,13 @@ class RankTaskNet(TaskNet):
 
     def on_train_end(self):
         own = self.own
-        if own.current == self.task:
-            own.prune(self.task, 0.5)
-            own.commit(self.task)
+        own.prune(self.task, 0.5)
+        own.commit(self.task)
         torch.save(
-            {"own": own.state_dict(), "fingerprints": {t: own.fingerprint(t) for t in own.committed},
+            {"own": own.state_dict(), "fingerprint": own.fingerprint(self.task),
+             "next_pins": [p.fingerprint() for p in own.pins(self.task + 1)],
              "weights": {n: p.detach().clone() for n, p in own.parameters.items()}},
-            Path(self.out_dir) / f"task{self.task}_rank{self.global_rank}.pt",
+            Path(self.out_dir) / f"rank{self.global_rank}.pt",
         )
 
     def teardown(self, stage):
@@ -161,25 +161,21 @@ class RankTaskNet(TaskNet):
 
 
 def test_ddp_ranks_derive_the_same_owner_map(tmp_path):
+    """Each rank prunes its own copy (no communication) and gets the same owner map and the same
+    pins for the next task. (Holding pins under DDP: tests/test_ddp.py.)"""
     torch.manual_seed(0)
     model = RankTaskNet(str(tmp_path))
     own = model.own = TaskOwnership(model, "*")
-    for task in (1, 2):
-        model.task = task
-        tr = trainer(strategy="ddp_spawn", devices=2, max_epochs=1,
-                     callbacks=[PinCallback(own.pins(task), verbose=False, monitor=False)])
-        tr.fit(model, task_loader(task))
-        ranks = [torch.load(tmp_path / f"task{task}_rank{r}.pt", weights_only=True) for r in range(2)]
-        for name in ranks[0]["own"]["owner"]:
-            assert torch.equal(ranks[0]["own"]["owner"][name], ranks[1]["own"]["owner"][name]), name
-        for name, value in ranks[0]["weights"].items():  # the shared weights agree too
-            assert torch.equal(value, ranks[1]["weights"][name]), name
-        # Fingerprints include each rank's BatchNorm running statistics, which DDP does not sync: the
-        # test process keeps rank 0's (as a checkpoint would) and hands them to both ranks of task 2.
-        assert set(ranks[0]["own"]["owner"]["fc1.weight"].unique().tolist()) == set(range(task + 1))
-        # The workers pruned; the test process takes their ownership (rank 0's weights came back).
-        own.load_state_dict(ranks[0]["own"])
-        if task == 1:
-            fingerprint1 = own.fingerprint(1)
-    assert [r["fingerprints"][1] for r in ranks] == [fingerprint1] * 2  # task 2 left task 1 alone on each rank
-    assert own.fingerprint(1) == fingerprint1
+    tr = trainer(strategy="ddp_spawn", devices=2, max_epochs=1,
+                 callbacks=[PinCallback(own.pins(1), verbose=False, monitor=False)])
+    tr.fit(model, task_loader(1))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for name in ranks[0]["own"]["owner"]:
+        assert torch.equal(ranks[0]["own"]["owner"][name], ranks[1]["own"]["owner"][name]), name
+        assert torch.equal(ranks[0]["weights"][name], ranks[1]["weights"][name]), name
+    assert set(ranks[0]["own"]["owner"]["fc1.weight"].unique().tolist()) == {0, 1}
+    assert ranks[0]["next_pins"] == ranks[1]["next_pins"] and len(ranks[0]["next_pins"]) == 1
+    # The test process takes rank 0's ownership; rank 0's pruned weights came back with the fit.
+    own.load_state_dict(ranks[0]["own"])
+    assert own.fingerprint(1) == ranks[0]["fingerprint"]
+    assert [p.fingerprint() for p in own.pins(2)] == ranks[0]["next_pins"]
