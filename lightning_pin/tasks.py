@@ -36,6 +36,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_pin.core.engine import is_sharded
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.modules import unwrap
 from lightning_pin.core.plan import resolve
@@ -146,6 +147,7 @@ class TaskOwnership:
         #: Per-task parameters (``heads``), by task.
         self.heads: dict[int, list[str]] = {}
         for task, patterns in (heads or {}).items():
+            task = int(task) if isinstance(task, str) and task.isdigit() else task  # YAML keys may be strings
             self._check_task(task, "heads")
             self.heads[int(task)] = list(self._match(patterns))
         head_names = [n for names in self.heads.values() for n in names]
@@ -195,6 +197,16 @@ class TaskOwnership:
                 f"is {str(self._dtype).removeprefix('torch.')}: pass max_tasks up to 32767 for more), got {task!r}"
             )
         return int(task)
+
+    def _follow_parameters(self, what: str) -> None:
+        """Keep each owner map on its parameter's device (the model may have moved since), and
+        refuse sharded parameters, whose elements this process does not all hold."""
+        for name, parameter in self.parameters.items():
+            if is_sharded(parameter):
+                raise PinError(f"TaskOwnership.{what}: {name!r} is sharded (a DTensor); prune, view and "
+                               "fingerprint need the full parameters: call them on the unsharded module")
+            if self.owner[name].device != parameter.device:
+                self.owner[name] = self.owner[name].to(parameter.device)
 
     @property
     def committed(self) -> list[int]:
@@ -286,6 +298,7 @@ class TaskOwnership:
         if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 <= float(fraction) <= 1:
             raise PinError(f"TaskOwnership.prune({task}, {fraction!r}): fraction must be a number in [0, 1]")
         self._require_status(task, "prune", (_TRAINING,))
+        self._follow_parameters("prune")
         plans = {}
         for name, owner in self.owner.items():
             free = (owner == 0).reshape(-1).nonzero().squeeze(1)
@@ -348,6 +361,7 @@ class TaskOwnership:
         """
         task = self._check_task(task, "view")
         status = self._require_status(task, "view", (_TRAINING, _PRUNED, _COMMITTED))
+        self._follow_parameters("view")
         zero_free = status != _TRAINING
         zeroed: list[tuple[Tensor, Tensor, Tensor]] = []
         swapped: list[tuple[Tensor, Tensor]] = []
@@ -401,6 +415,7 @@ class TaskOwnership:
         """
         task = self._check_task(task, "fingerprint")
         self._require_status(task, "fingerprint", (_COMMITTED,))
+        self._follow_parameters("fingerprint")
         digest = hashlib.sha256()
         named = dict(self.module.named_parameters())
         for name in sorted(self.owner):

@@ -373,6 +373,7 @@ def test_heads_are_held_and_zero_in_earlier_views():
     heads = model[2]
     own = TaskOwnership(model, "*", heads={1: "2.0.*", 2: "2.1.*"})
     assert sorted(own.parameters) == ["0.bias", "0.weight"]
+    assert TaskOwnership(model, "*", heads={"1": "2.0.*", "2": "2.1.*"}).heads == own.heads  # keys from YAML
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     for task in (1, 2):
         with pin(model, optimizer, own.pins(task)):
