@@ -303,11 +303,10 @@ class TaskOwnership:
         for name, owner in self.owner.items():
             free = (owner == 0).reshape(-1).nonzero().squeeze(1)
             count = int(round(float(fraction) * free.numel()))
-            generator = torch.Generator().manual_seed(_name_seed(name, self.seed))
-            order = torch.randperm(free.numel(), generator=generator).to(free.device)
-            magnitude = self.parameters[name].detach().reshape(-1)[free[order]].abs().float()
-            smallest = order[torch.argsort(magnitude, stable=True)[:count]]
-            plans[name] = (free, free[smallest])
+            values = self.parameters[name].detach().reshape(-1)[free]
+            magnitude = values.abs().to(torch.float64 if values.dtype == torch.float64 else torch.float32)
+            magnitude = magnitude.nan_to_num(nan=math.inf)  # a NaN weight is pruned last, not never
+            plans[name] = (free, free[_smallest(magnitude, count, _name_seed(name, self.seed))])
         for name, (free, pruned) in plans.items():
             owner = self.owner[name].view(-1)  # made contiguous in __init__
             owner[free] = task
@@ -498,6 +497,21 @@ class TaskOwnership:
         """The free fraction of all shared elements together."""
         total = sum(o.numel() for o in self.owner.values())
         return float(sum(int((o == 0).sum()) for o in self.owner.values())) / max(total, 1)
+
+
+def _smallest(magnitude: Tensor, count: int, seed: int) -> Tensor:
+    """Positions of the ``count`` smallest entries of ``magnitude``; among entries equal to the
+    ``count``-th smallest, a permutation seeded with ``seed`` chooses (the same on every rank).
+    One selection pass (``kthvalue``), no full sort: pruning tens of millions of elements stays fast."""
+    if count <= 0:
+        return torch.zeros(0, dtype=torch.long, device=magnitude.device)
+    if count >= magnitude.numel():
+        return torch.arange(magnitude.numel(), device=magnitude.device)
+    kth = torch.kthvalue(magnitude, count).values
+    below = (magnitude < kth).nonzero().squeeze(1)
+    tied = (magnitude == kth).nonzero().squeeze(1)
+    order = torch.randperm(tied.numel(), generator=torch.Generator().manual_seed(seed)).to(tied.device)
+    return torch.cat([below, tied[order[: count - below.numel()]]])
 
 
 def _name_seed(name: str, seed: int) -> int:

@@ -228,6 +228,13 @@ def test_prune_takes_the_smallest_magnitudes(fraction, seed, ties):
     assert torch.equal(model.weight.detach()[~free], before[~free])
     if counts["weight"] and not free.all():
         assert before[free].abs().max() <= before[~free].abs().min()
+    twin = nn.Linear(5, 4)  # another process with the same weights picks the same elements, ties included
+    with torch.no_grad():
+        twin.weight.copy_(before)
+    twin_own = TaskOwnership(twin, "*", seed=seed)
+    twin_own.pins(1)
+    twin_own.prune(1, fraction)
+    assert torch.equal(twin_own.owner["weight"], own.owner["weight"])
 
 
 def test_task_ids_past_the_map_range():
