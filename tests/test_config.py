@@ -169,6 +169,19 @@ def test_pin_options_build_their_pins(tmp_path):
 @pytest.mark.parametrize("option", options("experiment"))
 def test_experiment_pins_resolve_on_their_model(tmp_path, option):
     cfg = compose_train(tmp_path, f"experiment={option}")
+    if cfg.get("continual") is not None:  # its pins come from task ownership, one set per task
+        from lightning_pin.app.continual import TaskIncremental
+        from lightning_pin.tasks import TaskOwnership
+
+        settings = cfg.continual
+        model = TaskIncremental(instantiate(cfg.model.backbone), settings.tasks, settings.classes_per_task)
+        heads = {t: f"heads.{t - 1}.*" for t in range(1, settings.tasks + 1)}
+        own = TaskOwnership(model, settings.params, heads=heads, norm=settings.norm)
+        own.pins(1)
+        own.commit(1)
+        assert own.pins(2) and sum(resolve(own.pins(2), model).pinned_counts().values()) > 0
+        assert cfg.tags and cfg.tags != ["dev"]
+        return
     model = build_model(cfg)
     pins = build_pins(cfg.pin, model)
     plan = resolve(pins, model)  # a pattern naming no parameter of this model would raise here

@@ -22,6 +22,8 @@ CLAIMS = {
     "export_onnx.py": "check caught the folding: exit 1; optimize=False / do_constant_folding=False: exit 0",
     "plain_loop.py": "pin() with `when` pins:                0 ",
     "fabric_loop.py": "resumed run identical to the uninterrupted one: True",
+    "continual_packnet.py": "TaskOwnership: BWT 0.0 exactly, task-1 logits identical after task 5: True, "
+    "fingerprints unchanged: True",
 }
 
 

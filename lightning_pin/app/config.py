@@ -338,6 +338,27 @@ class PretrainConfig:
     max_epochs: int = 8
 
 
+@dataclass
+class ContinualConfig:
+    """``experiment=continual``: tasks learned in sequence with task ownership (:mod:`lightning_pin.tasks`).
+
+    Each task takes ``classes_per_task`` classes of the data (task t: classes ``(t-1)*k .. t*k-1``)
+    and gets its own head; ``trainer.max_epochs`` trains a task, ``finetune_epochs`` retrains it
+    after pruning ``prune`` of its elements.
+    """
+
+    tasks: int = 5
+    classes_per_task: int = 2
+    prune: float = 0.75
+    finetune_epochs: int = 2
+    #: The parameters tasks share (each task's head is its own).
+    params: str = "backbone.*"
+    #: "per_task" normalization snapshots, or "first" (held after task 1).
+    norm: str = "per_task"
+    #: Which ways to train, side by side: "task_ownership" and the "naive" control.
+    methods: List[str] = field(default_factory=lambda: ["naive", "task_ownership"])
+
+
 # ----------------------------------------------------------------------------------------------
 # train.yaml
 
@@ -366,6 +387,8 @@ class TrainConfig:
     torch_threads: Optional[int] = None
     #: The run summary key returned to sweepers (Optuna maximizes or minimizes it).
     optimized_metric: str = "final"
+    #: Set (by ``experiment=continual``): learn tasks in sequence with task ownership instead.
+    continual: Optional[ContinualConfig] = None
 
 
 _SCHEMAS: dict[str, dict[str, type]] = {

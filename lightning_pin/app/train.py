@@ -113,6 +113,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             ``ckpt_path`` is not a checkpoint that loads with ``weights_only=True``.
         FileNotFoundError: ``ckpt_path`` does not exist.
     """
+    if cfg.get("continual") is not None:
+        from lightning_pin.app.continual import run_continual
+
+        return run_continual(cfg)
     started = time.perf_counter()
     if cfg.optimized_metric not in OPTIMIZABLE:
         raise ValueError(f"optimized_metric={cfg.optimized_metric!r} is not one of {list(OPTIMIZABLE)}")
