@@ -50,8 +50,9 @@ def test_a_value_file_keyed_by_another_parameter_is_refused(tmp_path):
     # 2.bias has shape (2,), as 0.bias[:2] would: the old code applied it to the pinned parameter.
     torch.save({"2.bias": torch.tensor([7.0, 8.0])}, path)
     before = _snapshot(model)
-    with pytest.raises(PinError, match=r"value has no entry for parameter '2.weight'; it is keyed by parameter names.*'2.bias'"):
-        pin(model, torch.optim.SGD(model.parameters(), lr=0.1), Pin("2.weight", indices=[(0, 0), (1, 1)], value=str(path)))
+    spec = Pin("2.weight", indices=[(0, 0), (1, 1)], value=str(path))
+    with pytest.raises(PinError, match=r"value has no entry for parameter '2.weight'; it is keyed by.*'2.bias'"):
+        pin(model, torch.optim.SGD(model.parameters(), lr=0.1), spec)
     assert _unchanged(model, before)
 
 

@@ -29,7 +29,7 @@ from lightning_pin.core.errors import PinError
 #: Anything that selects or supplies values: tensors, nested lists of numbers, file paths.
 PinValue = Union[None, float, int, Sequence[float], torch.Tensor, str, Mapping[str, Any]]
 
-_FIELDS = ("params", "indices", "mask", "fraction", "seed", "value", "start_step", "stop_step", "when")
+_FIELDS = ("params", "indices", "mask", "fraction", "seed", "value", "start_step", "stop_step", "when", "buffers")
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -61,6 +61,11 @@ class Pin:
             ``bool`` or a 0-d bool tensor (anything else, ``None`` from a forgotten ``return``
             included, raises :class:`~lightning_pin.PinError` before that batch's step). It is
             called once per batch on the host: a device tensor result costs one host read.
+        buffers: For a pin that freezes whole modules (every parameter of a module, whole
+            tensors, ``value=None``, no ``when``), also hold the buffers of those modules
+            (BatchNorm's ``running_mean``, ``running_var``, ``num_batches_tracked``) at their
+            values when the pin activates, as ``BaseFinetuning.freeze(train_bn=False)`` does.
+            ``False`` lets them keep updating. Other pins hold no buffers.
 
     At most one of ``indices``, ``mask`` and ``fraction`` may be given; none of them pins the
     whole tensor. Building a ``Pin`` checks nothing, since most checks need the model:
@@ -96,6 +101,7 @@ class Pin:
     start_step: int = 0
     stop_step: int | None = None
     when: Callable[[Any, int], bool] | str | None = None
+    buffers: bool = True
 
     def __post_init__(self) -> None:
         # Hydra hands over DictConfig / ListConfig: turn them into plain containers once, so the
@@ -138,6 +144,8 @@ class Pin:
         """
         digest = hashlib.sha256()
         for name in _FIELDS:
+            if name == "buffers" and self.buffers is True:
+                continue  # a default added later: the fingerprints (and state keys) of older pins stay
             digest.update(name.encode())
             _feed(digest, getattr(self, name))
         return digest.hexdigest()[:16]
@@ -249,6 +257,8 @@ def _check_fields(pin: Pin) -> None:
         f = pin.fraction
         if isinstance(f, bool) or not isinstance(f, numbers.Real) or not (0 < float(f) <= 1):
             raise PinError(f"{pin!r}: fraction must be a number in (0, 1], got {f!r}")
+    if not isinstance(pin.buffers, bool):
+        raise PinError(f"{pin!r}: buffers must be True or False, got {pin.buffers!r}")
     if not _is_int(pin.seed):
         raise PinError(f"{pin!r}: seed must be an integer, got {pin.seed!r}")
     start, stop = pin.start_step, pin.stop_step
