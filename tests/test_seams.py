@@ -263,3 +263,20 @@ def test_a_lambda_when_under_ddp_spawn_names_the_pin_and_the_fix_before_spawning
     # Outside a spawn (deepcopy, plain pickling of an importable `when`) the callback still copies.
     copy.deepcopy(cb)
     pickle.loads(pickle.dumps(PinCallback([Pin("head.bias", when=first_label_is_zero)])))
+
+
+def test_fabric_bf16_true_set_up_after_pin_is_refused_before_the_step():
+    from lightning.fabric import Fabric
+
+    model = _net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    handle = pin(model, optimizer, Pin("2.bias", value=0.5))
+    fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-true")
+    wrapped, wrapped_optimizer = fabric.setup(model, optimizer)
+    fabric.backward(wrapped(torch.randn(5, 4)).sum())
+    before = _snapshot(model)
+    with pytest.raises(PinError, match=r"'2.bias' was cast or moved from torch.float32 .* to torch.bfloat16.*"
+                                       r"then call pin\(\)"):
+        wrapped_optimizer.step()
+    assert _unchanged(model, before)
+    handle.remove()
