@@ -132,3 +132,28 @@ def test_the_buffers_field_is_checked_and_leaves_default_fingerprints_alone():
     assert Pin("encoder.*", buffers=False).fingerprint() != Pin("encoder.*").fingerprint()
     assert repr(Pin("encoder.*", buffers=False)) == "Pin(params='encoder.*', buffers=False)"
     assert Pin.from_config({"params": "encoder.*", "buffers": False}).buffers is False
+
+
+def test_resume_holds_the_loaded_statistics_and_verify_names_a_missing_buffer():
+    torch.manual_seed(0)
+    model = BNNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    _plain_loop(model, optimizer, steps=2)  # statistics move before the freeze
+    with pin(model, optimizer, Pin("encoder.*")) as handle:
+        _plain_loop(model, optimizer, steps=2)
+        saved = {"model": model.state_dict(), "pins": handle.state_dict()}
+    held = {n: saved["model"][n].clone() for n in BN_BUFFERS}
+    torch.manual_seed(1)
+    resumed = BNNet()
+    optimizer = torch.optim.SGD(resumed.parameters(), lr=0.05)
+    with pin(resumed, optimizer, Pin("encoder.*")) as handle:  # captures the fresh model's statistics
+        resumed.load_state_dict(saved["model"])
+        handle.load_state_dict(saved["pins"])  # ... and takes the loaded ones instead
+        _plain_loop(resumed, optimizer, steps=2)
+        handle.verify()
+        assert all(torch.equal(_buffers(resumed)[n], held[n]) for n in BN_BUFFERS)
+        without = BNNet()
+        without.encoder[1] = nn.BatchNorm1d(6, track_running_stats=False)  # no running statistics
+        without.load_state_dict(resumed.state_dict(), strict=False)
+        with pytest.raises(PinError, match="has no buffer 'encoder.1.running_mean'"):
+            handle.verify(without)

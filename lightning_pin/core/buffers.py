@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import PinPlan, ResolvedPin
 
 
@@ -150,7 +151,16 @@ class BufferHold:
         module = self.module if module is None else module
         found = []
         for name, target in self.targets.items():
-            buffer = module.get_buffer(name).detach()
+            try:
+                buffer = module.get_buffer(name)
+            except AttributeError:
+                buffer = None
+            if buffer is None:
+                raise PinError(
+                    f"verify: the module has no buffer {name!r}, which a pin holds with its frozen module; verify "
+                    "the module that was trained"
+                )
+            buffer = buffer.detach()
             if buffer.shape != target.shape:
                 found.append(BufferViolation(name, target.numel(), [((), tuple(buffer.shape), tuple(target.shape))]))
                 continue
