@@ -53,7 +53,9 @@ class PinCallback(Callback):
       statistics and the clip norm; wholly pinned tensors get ``grad = None`` so optimizers skip
       them entirely;
     - targets are written back by a step post-hook on every optimizer, right after each real
-      step, which undoes weight decay and any leftover momentum.
+      step, which undoes weight decay and any leftover momentum;
+    - a pin that freezes whole modules (``Pin("encoder.*")``) holds their buffers too (BatchNorm
+      running statistics, as ``BaseFinetuning.freeze(train_bn=False)``), unless ``buffers=False``.
 
     Pins are resolved on ``trainer.lightning_module``, the object actually trained, at fit start,
     and every bad spec raises :class:`~lightning_pin.PinError` before any weight changes.

@@ -123,8 +123,12 @@ class PinHandle:
     """Pins attached to a module and its optimizers; returned by :func:`pin`.
 
     Use it as a context manager, or call :meth:`remove` when done. Attributes: ``step`` (the
-    completed steps of the first optimizer), ``engine`` (the :class:`PinEngine` at work) and
-    ``module`` (the module the pins were resolved on, wrappers removed).
+    completed steps of the first optimizer), ``engine`` (the :class:`PinEngine` at work),
+    ``module`` (the module the pins were resolved on, wrappers removed) and ``buffers`` (the
+    :class:`~lightning_pin.core.buffers.BufferHold` of the modules the pins freeze).
+
+    Before every step it checks, on the host, that each pinned parameter is still the module's
+    (not replaced, cast or moved since :func:`pin`), and raises :class:`PinError` if not.
     """
 
     def __init__(
@@ -359,10 +363,16 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     Under torch.distributed, call it on every rank with the same pins: the ranks compare what
     they resolved once (one small all-reduce), and all of them raise if one rejects its pins.
 
+    A pin that freezes whole modules (``Pin("encoder.*")``: every parameter of a module, whole
+    tensors, ``value=None``) also holds their buffers (BatchNorm running statistics) unless
+    ``buffers=False``.
+
     Raises:
-        PinError: a pin cannot be honoured (named, with what would be right), or the ranks of a
-            distributed run resolved different pins; no weight has changed and no hook is left
-            behind.
+        PinError: ``module`` is not an ``nn.Module``; no optimizer is given; a pinned parameter that
+            requires grad is in none of ``optimizers``; a pin cannot be honoured (named, with what
+            would be right); it gives an element another value than a live handle on the same
+            module; or the ranks of a distributed run resolved different pins. No weight has
+            changed and no hook is left behind.
 
     Example::
 
