@@ -50,8 +50,9 @@ def test_a_value_file_keyed_by_another_parameter_is_refused(tmp_path):
     # 2.bias has shape (2,), as 0.bias[:2] would: the old code applied it to the pinned parameter.
     torch.save({"2.bias": torch.tensor([7.0, 8.0])}, path)
     before = _snapshot(model)
-    with pytest.raises(PinError, match=r"value has no entry for parameter '2.weight'; it is keyed by parameter names.*'2.bias'"):
-        pin(model, torch.optim.SGD(model.parameters(), lr=0.1), Pin("2.weight", indices=[(0, 0), (1, 1)], value=str(path)))
+    spec = Pin("2.weight", indices=[(0, 0), (1, 1)], value=str(path))
+    with pytest.raises(PinError, match=r"value has no entry for parameter '2.weight'; it is keyed by.*'2.bias'"):
+        pin(model, torch.optim.SGD(model.parameters(), lr=0.1), spec)
     assert _unchanged(model, before)
 
 
@@ -262,3 +263,20 @@ def test_a_lambda_when_under_ddp_spawn_names_the_pin_and_the_fix_before_spawning
     # Outside a spawn (deepcopy, plain pickling of an importable `when`) the callback still copies.
     copy.deepcopy(cb)
     pickle.loads(pickle.dumps(PinCallback([Pin("head.bias", when=first_label_is_zero)])))
+
+
+def test_fabric_bf16_true_set_up_after_pin_is_refused_before_the_step():
+    from lightning.fabric import Fabric
+
+    model = _net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    handle = pin(model, optimizer, Pin("2.bias", value=0.5))
+    fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-true")
+    wrapped, wrapped_optimizer = fabric.setup(model, optimizer)
+    fabric.backward(wrapped(torch.randn(5, 4)).sum())
+    before = _snapshot(model)
+    with pytest.raises(PinError, match=r"'2.bias' was cast or moved from torch.float32 .* to torch.bfloat16.*"
+                                       r"then call pin\(\)"):
+        wrapped_optimizer.step()
+    assert _unchanged(model, before)
+    handle.remove()

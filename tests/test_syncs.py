@@ -323,3 +323,55 @@ def test_front_door_adds_no_sync_in_steady_state_steps(optimizer, make_pins):
             counted += 1
         seen.update((at_start, at_end))
     assert counted >= 30, counted
+
+
+class _BNNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.BatchNorm1d(6))
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.encoder(x)))
+
+
+def test_held_buffers_and_parameter_checks_add_no_sync():
+    """``pin()`` holding a frozen module's BatchNorm statistics (and checking, before each step,
+    that the pinned parameters are still the module's): no sync in steady-state steps."""
+    from lightning_pin import pin
+
+    def run(pinned: bool) -> tuple[SyncCounter, dict[int, frozenset[int]]]:
+        torch.manual_seed(0)
+        model = _BNNet()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        counter, active = SyncCounter(), {}
+        pins = [Pin("encoder.*"), Pin("head.bias", start_step=3, stop_step=6)]
+        handle = pin(model, opt, pins) if pinned else None
+        with counter:
+            for batch_idx, (x, y) in enumerate(make_loader(n=64, batch_size=4)):
+                counter.batch = batch_idx
+                if handle is not None:
+                    handle.batch_start((x, y), batch_idx)
+                    at_start = handle.engine.active
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                if handle is not None:
+                    active[batch_idx] = (at_start, handle.engine.active)
+                counter.batch = None
+        if handle is not None:
+            assert handle.buffers.targets  # the statistics were held
+            handle.remove()
+        return counter, active
+
+    plain, _ = run(False)
+    pinned, active = run(True)
+    seen: set[frozenset[int]] = set()
+    counted = 0
+    for batch, (at_start, at_end) in active.items():
+        if at_start in seen and at_end in seen:
+            added = pinned.counts[batch] - plain.counts[batch]
+            assert not added, f"batch {batch} (active pins {sorted(at_start)}) adds syncs: {dict(added)}"
+            counted += 1
+        seen.update((at_start, at_end))
+    assert counted >= 10, counted

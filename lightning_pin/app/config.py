@@ -203,6 +203,7 @@ class PinConfig:
     start_step: int = 0
     stop_step: Optional[int] = None
     when: Optional[str] = None
+    buffers: bool = True
 
 
 @dataclass

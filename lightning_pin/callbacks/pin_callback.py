@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_pin.callbacks._compat import averaged_modules, runs_in_spawned_workers, watch_weight_averaging
+from lightning_pin.core.buffers import BufferHold
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.handle import as_pins
@@ -52,7 +53,9 @@ class PinCallback(Callback):
       statistics and the clip norm; wholly pinned tensors get ``grad = None`` so optimizers skip
       them entirely;
     - targets are written back by a step post-hook on every optimizer, right after each real
-      step, which undoes weight decay and any leftover momentum.
+      step, which undoes weight decay and any leftover momentum;
+    - a pin that freezes whole modules (``Pin("encoder.*")``) holds their buffers too (BatchNorm
+      running statistics, as ``BaseFinetuning.freeze(train_bn=False)``), unless ``buffers=False``.
 
     Pins are resolved on ``trainer.lightning_module``, the object actually trained, at fit start,
     and every bad spec raises :class:`~lightning_pin.PinError` before any weight changes.
@@ -118,6 +121,8 @@ class PinCallback(Callback):
         #: What is measured, logged and reported (None: nothing).
         self.monitor: Optional[PinMonitor] = PinMonitor() if monitor is True else (monitor or None)
         self.engine: Optional[PinEngine] = None
+        #: Buffers of the modules the pins freeze (BatchNorm running statistics), held with them.
+        self.buffers: Optional[BufferHold] = None
         self._loaded_state: Optional[dict[str, Any]] = None
         self._handles: list[RemovableHandle] = []
         self._unwatch: list[Callable[[], None]] = []
@@ -178,6 +183,7 @@ class PinCallback(Callback):
         _check_plans_agree(trainer, pl_module, plan)
         _check_other_pin_callbacks(trainer, self, plan)
         self.engine = PinEngine(plan)
+        self.buffers = BufferHold(plan, module)
         self._fitting = True
         self._applied = False
         _LIVE.get(tuple(self._fingerprints), set()).discard(self)
@@ -188,11 +194,15 @@ class PinCallback(Callback):
             self._loaded_state = None
         if plan.pins:
             self._handles = self.engine.attach(trainer.optimizers)
+            if self.buffers:  # before the step check, which checks the buffers too
+                self._handles.append(self.buffers.attach(self.engine))
             if self.verify_at == "step":
                 self._handles.append(self.engine.register_restore_hook(lambda stats: self._check()))
             self._unwatch = watch_weight_averaging(trainer, self._pin_averaged)
         if self.verbose and plan.pins:
-            rank_zero_info(f"PinCallback: pins resolved on {type(module).__name__}\n{plan.summary()}")
+            held = self.buffers.summary()
+            summary = plan.summary() + (f"\n{held}" if held else "")
+            rank_zero_info(f"PinCallback: pins resolved on {type(module).__name__}\n{summary}")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -206,6 +216,8 @@ class PinCallback(Callback):
             self.monitor.before_force(trainer, pl_module)  # the baseline: no pin forced yet
         self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
         self.engine.force()
+        # On resume the module's buffers come from the checkpoint: they hold what the saved run held.
+        self.buffers.update(self.engine.active, recapture=True)
         self._applied = True
         for _, averaged in averaged_modules(trainer):
             self._pin_averaged(averaged)  # copied at setup, before any pin was forced
@@ -259,6 +271,7 @@ class PinCallback(Callback):
                 trainer.global_step, batch, batch_idx, agree=_any_rank(trainer, pl_module)
             )
             self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
+            self.buffers.update(self.engine.active)
         if self.monitor is not None:
             self.monitor.on_train_batch_start(trainer, self.engine)
 
@@ -277,6 +290,7 @@ class PinCallback(Callback):
             return
         # Under manual optimization global_step moves inside a batch: re-check the windows.
         self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
+        self.buffers.update(self.engine.active)
         self.engine.mask_grads(optimizer)
 
     # ------------------------------------------------------------------------------------------
@@ -322,7 +336,7 @@ class PinCallback(Callback):
         if self.engine is None:
             return
         pin_ids = self._checked_ids()
-        self._raise_if_off(self.engine.violations(pin_ids=pin_ids))
+        self._raise_if_off(self.engine.violations(pin_ids=pin_ids) + self._buffer_violations())
         for owner, module in averaged:
             parameters = dict(module.named_parameters(remove_duplicate=False))
             self._raise_if_off(self.engine.violations(parameters, pin_ids), where=f" in {owner}'s averaged model")
@@ -344,7 +358,11 @@ class PinCallback(Callback):
             raise PinError("verify() needs a PinCallback that has been fitted: call trainer.fit(...) first")
         pin_ids = self._checked_ids()
         parameters = None if module is None else dict(unwrap(module).named_parameters(remove_duplicate=False))
-        self._raise_if_off(self.engine.violations(parameters, pin_ids))
+        held = self._buffer_violations(None if module is None else unwrap(module))
+        self._raise_if_off(self.engine.violations(parameters, pin_ids) + held)
+
+    def _buffer_violations(self, module: Optional[nn.Module] = None) -> list[Any]:
+        return [] if self.buffers is None else self.buffers.violations(module)
 
     def _adopt_worker_state(self, module: nn.Module) -> None:
         """Take over the state a spawned rank 0 left behind (see ``on_fit_end``)."""

@@ -29,6 +29,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_pin.core.buffers import BufferHold
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.modules import unwrap
@@ -122,8 +123,12 @@ class PinHandle:
     """Pins attached to a module and its optimizers; returned by :func:`pin`.
 
     Use it as a context manager, or call :meth:`remove` when done. Attributes: ``step`` (the
-    completed steps of the first optimizer), ``engine`` (the :class:`PinEngine` at work) and
-    ``module`` (the module the pins were resolved on, wrappers removed).
+    completed steps of the first optimizer), ``engine`` (the :class:`PinEngine` at work),
+    ``module`` (the module the pins were resolved on, wrappers removed) and ``buffers`` (the
+    :class:`~lightning_pin.core.buffers.BufferHold` of the modules the pins freeze).
+
+    Before every step it checks, on the host, that each pinned parameter is still the module's
+    (not replaced, cast or moved since :func:`pin`), and raises :class:`PinError` if not.
     """
 
     def __init__(
@@ -147,6 +152,8 @@ class PinHandle:
         # after pin(), and load_state_dict() then cancels this (the saved run zeroed them already).
         self._pending_reset: list[int] = []
         self._removed = False
+        #: Buffers of the modules the pins freeze (BatchNorm running statistics), held with them.
+        self.buffers = BufferHold(engine.plan, module)
         # What each pinned parameter was when the pins were resolved: the object itself and its
         # dtype and device. A step is refused if the module holds another object under the name
         # (re-initialised, tied, replaced) or the tensor was cast or moved: the engine would
@@ -161,6 +168,8 @@ class PinHandle:
         for optimizer in self.optimizers:
             self._handles.append(optimizer.register_step_pre_hook(self._before_step))
         self._handles += engine.attach(self.optimizers)  # restores after each step
+        if self.buffers:
+            self._handles.append(self.buffers.attach(engine))
         for optimizer in self.optimizers:  # after the restore: post-hooks run in registration order
             self._handles.append(optimizer.register_step_post_hook(self._after_step))
 
@@ -223,6 +232,7 @@ class PinHandle:
         self._hits = self.engine.when_hits(self.step, batch, batch_idx, agree)
         self._decided = {id(o) for o in self.optimizers}
         self.engine.set_active(self.engine.ids_at(self.step, self._hits))
+        self.buffers.update(self.engine.active)
 
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._check_module("before optimizer.step()")
@@ -246,6 +256,7 @@ class PinHandle:
         # Pins whose window starts now are forced before the next forward; when pins keep this
         # batch's decision until the next batch_start.
         self.engine.set_active(self.engine.ids_at(self.step, self._hits))
+        self.buffers.update(self.engine.active)
 
     # ------------------------------------------------------------------------------------------
     # Checks and state
@@ -266,7 +277,8 @@ class PinHandle:
         engine = self.engine
         pin_ids = engine.last_step_active if engine.last_step_active is not None else engine.active
         parameters = None if module is None else dict(unwrap(module).named_parameters(remove_duplicate=False))
-        violations = engine.violations(parameters, pin_ids)
+        violations: list[Any] = engine.violations(parameters, pin_ids)
+        violations += self.buffers.violations(None if module is None else unwrap(module))
         if violations:
             total = sum(v.count for v in violations)
             raise PinError(f"{total} pinned element(s) off target:\n" + "\n".join(f"  {v}" for v in violations))
@@ -300,6 +312,8 @@ class PinHandle:
                 self.step = saved.step
         self.engine.set_active(self.engine.ids_at(self.step, self._hits))
         self.engine.force()
+        # The loaded weights hold the buffers the saved run held: take them as the held values.
+        self.buffers.update(self.engine.active, recapture=True)
 
     def remove(self) -> None:
         """Remove every hook this handle placed; the weights keep their values.
@@ -349,10 +363,16 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     Under torch.distributed, call it on every rank with the same pins: the ranks compare what
     they resolved once (one small all-reduce), and all of them raise if one rejects its pins.
 
+    A pin that freezes whole modules (``Pin("encoder.*")``: every parameter of a module, whole
+    tensors, ``value=None``) also holds their buffers (BatchNorm running statistics) unless
+    ``buffers=False``.
+
     Raises:
-        PinError: a pin cannot be honoured (named, with what would be right), or the ranks of a
-            distributed run resolved different pins; no weight has changed and no hook is left
-            behind.
+        PinError: ``module`` is not an ``nn.Module``; no optimizer is given; a pinned parameter that
+            requires grad is in none of ``optimizers``; a pin cannot be honoured (named, with what
+            would be right); it gives an element another value than a live handle on the same
+            module; or the ranks of a distributed run resolved different pins. No weight has
+            changed and no hook is left behind.
 
     Example::
 
@@ -397,6 +417,7 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         # Capture and force the pins of step 0 before attaching to the optimizers, so that their
         # statistics are zeroed at the first step, not now (see PinHandle._pending_reset).
         started = engine.set_active(engine.ids_at(0))
+        handle.buffers.update(engine.active)
         handle._pending_reset = [i for i in started if engine.plan.pins[i].when is None]
         handle._attach()
     except BaseException:

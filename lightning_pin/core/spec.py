@@ -31,7 +31,7 @@ PinValue = Union[None, float, int, Sequence[float], torch.Tensor, str, Mapping[s
 
 _FIELDS = (
     "params", "indices", "mask", "fraction", "seed", "value", "start_step", "stop_step", "when",
-    "stuck_at_zero", "stuck_at_one", "bounds",
+    "stuck_at_zero", "stuck_at_one", "bounds", "buffers",
 )
 #: Fields added with the fault models: fed into the fingerprint only when given, so pins that do
 #: not use them keep the fingerprints (and checkpoint state keys) of earlier releases.
@@ -82,6 +82,11 @@ class Pin:
             with one number per selected element, a tensor of the parameter's shape, or a dict
             of those by parameter name; ``(0.0, math.inf)`` keeps a weight's sign. The elements
             keep training inside the interval.
+        buffers: For a pin that freezes whole modules (every parameter of a module, whole
+            tensors, ``value=None``, no ``when``), also hold the buffers of those modules
+            (BatchNorm's ``running_mean``, ``running_var``, ``num_batches_tracked``) at their
+            values when the pin activates, as ``BaseFinetuning.freeze(train_bn=False)`` does.
+            ``False`` lets them keep updating. Other pins hold no buffers.
 
     A pin is one of three kinds: a value pin (the default: the element equals its target bit for
     bit), a stuck-bit pin (``stuck_at_zero`` / ``stuck_at_one``) or a bounded pin (``bounds``).
@@ -130,6 +135,7 @@ class Pin:
     stuck_at_zero: Any = None
     stuck_at_one: Any = None
     bounds: Any = None
+    buffers: bool = True
 
     @property
     def kind(self) -> str:
@@ -183,6 +189,8 @@ class Pin:
         for name in _FIELDS:
             if name in _FAULT_FIELDS and getattr(self, name) is None:
                 continue
+            if name == "buffers" and self.buffers is True:
+                continue  # a default added later: the fingerprints (and state keys) of older pins stay
             digest.update(name.encode())
             _feed(digest, getattr(self, name))
         return digest.hexdigest()[:16]
@@ -311,6 +319,8 @@ def _check_fields(pin: Pin) -> None:
         f = pin.fraction
         if isinstance(f, bool) or not isinstance(f, numbers.Real) or not (0 < float(f) <= 1):
             raise PinError(f"{pin!r}: fraction must be a number in (0, 1], got {f!r}")
+    if not isinstance(pin.buffers, bool):
+        raise PinError(f"{pin!r}: buffers must be True or False, got {pin.buffers!r}")
     if not _is_int(pin.seed):
         raise PinError(f"{pin!r}: seed must be an integer, got {pin.seed!r}")
     start, stop = pin.start_step, pin.stop_step
