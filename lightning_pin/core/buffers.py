@@ -42,6 +42,7 @@ def freezes_modules(rp: ResolvedPin) -> bool:
     """Whether ``rp`` can freeze modules: whole tensors at their own values, on every step of its window."""
     return (
         rp.pin.buffers
+        and rp.pin.kind == "value"  # stuck bits and bounds let the elements train: nothing is frozen
         and rp.when is None
         and bool(rp.selections)
         and all(s.index is None and s.values is None for s in rp.selections.values())
