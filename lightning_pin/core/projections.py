@@ -13,8 +13,9 @@ and a per-element payload), so its kernels are index based, sync-free and work o
 permuted and sharded tensors alike through :meth:`Target.part`. Each has the same four methods:
 :meth:`~Projection.apply` (the restore kernel), :meth:`~Projection.drift` (``|x - P(x)|``, how
 far the optimizer pushed the elements out of the allowed set) and :meth:`~Projection.off` (which
-elements are outside it and what they should hold, for verify and the violation count). A new fault kind is one class here, one resolver in
-:mod:`~lightning_pin.core.fault_plan` and one saved form in :mod:`~lightning_pin.core.state`.
+elements are outside it and what they should hold, for verify and the violation count). A new
+fault kind is one class here, one resolver in :mod:`~lightning_pin.core.fault_plan` and one saved
+form in :mod:`~lightning_pin.core.state`.
 """
 
 from __future__ import annotations
