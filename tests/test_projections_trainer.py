@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import StepRecorder, TinyNet, make_loader, snapshot, trainer
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
 
 from lightning_pin import Pin, PinCallback, PinError
 from lightning_pin.callbacks import _compat
@@ -191,3 +191,25 @@ def test_faults_that_do_not_fit_the_true_half_dtype_are_refused_before_the_cast(
     assert model.encoder.weight.dtype == torch.float32  # refused in setup, before Lightning cast the module
     for name, value in snapshot(model).items():
         assert torch.equal(value, before[name]), name
+
+
+class FlipStuckBit(Callback):
+    """Flips one stuck bit after every batch, behind the pins' back."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with torch.no_grad():
+            pl_module.encoder.weight.view(torch.int32)[3, 3] ^= MANT
+
+
+def test_monitor_counts_flipped_stuck_bits_and_logs_drift():
+    from test_monitor import MemoryLogger
+
+    logger = MemoryLogger()
+    cb = PinCallback(fault_pins(), verbose=False, verify="never")
+    trainer(max_steps=4, logger=logger, log_every_n_steps=1, callbacks=[cb, FlipStuckBit()]).fit(
+        TinyNet(), make_loader()
+    )
+    # Step 0 starts clean; before every later step one stuck bit is off.
+    assert logger.series("pin/violations") == [(1, 0), (2, 1), (3, 1), (4, 1)]
+    # Training pushes against the bounds and the stuck bits: the drift before each restore is > 0.
+    assert all(value > 0 for _, value in logger.series("pin/drift_max"))

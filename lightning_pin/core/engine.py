@@ -2,7 +2,10 @@
 
 :class:`PinEngine` masks the gradients of pinned elements before an optimizer step, restores
 pinned values right after it (from a ``register_step_post_hook``), zeroes the optimizer
-statistics of elements whose pin activates, and checks values against their targets. It decides
+statistics of elements whose pin activates, and checks values against their targets. Right after
+every step it applies the pins' projections (:mod:`lightning_pin.core.projections`): the exact
+values, and the fault models (stuck bits, bounds), whose elements keep their gradients and
+optimizer statistics. Sharding, statistics parking and merge layouts have modules of their own. It decides
 nothing about *when*: its drivers do, :class:`~lightning_pin.PinCallback` from Lightning's hooks
 and :func:`~lightning_pin.pin` from torch's own hooks. Observers (the monitor, step checks)
 register with :meth:`PinEngine.register_restore_hook` and get a removable handle.
@@ -615,20 +618,13 @@ class PinEngine:
                     f"{target.parameter.dtype}; verify a copy in the parameter's dtype"
                 )
             tensor = tensor.detach()
-            actual, off = projection.off(tensor)
+            actual, off, expected = projection.off(tensor)
             if bool(off.any()):
                 where = off.nonzero().squeeze(1)[:examples]
                 # Coordinates from the row-major full-tensor index, not from storage positions.
                 flat_at = target.flat_index_of(tensor, where)
                 coords = torch.stack(torch.unravel_index(flat_at, tuple(tensor.shape)), dim=1).tolist()
-                if isinstance(projection, ExactValue):
-                    shown = [
-                        (tuple(c), actual[w].item(), projection.target_at(w)) for c, w in zip(coords, where.tolist())
-                    ]
-                else:
-                    shown = [
-                        (tuple(c), actual[w].item(), projection.expected(w)) for c, w in zip(coords, where.tolist())
-                    ]
+                shown = [(tuple(c), actual[w].item(), expected(w)) for c, w in zip(coords, where.tolist())]
                 found.append(Violation(target.name, int(off.sum()), shown, projection.kind))
         return found
 
