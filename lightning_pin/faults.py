@@ -32,6 +32,7 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TensorFileError, load_tensors
 from lightning_pin.core.plan import fraction_indices, name_seed, resolve
 from lightning_pin.core.spec import Pin
+from lightning_pin.core.state import BITS_DTYPES
 
 __all__ = ["FaultPins", "bit_faults", "cell_faults", "load_fault_map", "save_fault_map"]
 
@@ -47,16 +48,29 @@ class FaultPins(list):
         summary: One line per matched parameter: how many faults of which kind it got, and
             (for :func:`bit_faults`) how many refused patterns were re-drawn or skipped.
         faulty: Faulty elements per parameter name (0 for a parameter that drew none).
+        redrawn: :func:`bit_faults`: elements whose stuck bits would have read inf / NaN whatever
+            training writes (every exponent bit stuck at one), whose polarities were drawn again.
+        skipped: :func:`bit_faults`: such elements still refused after :data:`REDRAWS` draws
+            (every exponent bit stuck and ``one_fraction`` near 1), left without faults.
     """
 
-    def __init__(self, pins: Iterable[Pin] = (), summary: str = "", faulty: Optional[Mapping[str, int]] = None):
+    def __init__(
+        self,
+        pins: Iterable[Pin] = (),
+        summary: str = "",
+        faulty: Optional[Mapping[str, int]] = None,
+        redrawn: int = 0,
+        skipped: int = 0,
+    ) -> None:
         super().__init__(pins)
         self.summary = summary
         self.faulty = dict(faulty or {})
+        self.redrawn = redrawn
+        self.skipped = skipped
 
     def __reduce__(self) -> Any:
         # Travels to spawned processes (ddp_spawn pickles the callback and what it holds).
-        return type(self), (list(self), self.summary, self.faulty)
+        return type(self), (list(self), self.summary, self.faulty, self.redrawn, self.skipped)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,13 +159,258 @@ def cell_faults(
 
 
 # ----------------------------------------------------------------------------------------------
+# Stuck bits
+
+#: Draws of the polarities of an element whose stuck bits would read inf / NaN, before it is skipped.
+REDRAWS = 8
+#: Above this bit error rate every (element, bit) pair gets its own uniform draw; below it the
+#: number of stuck pairs is drawn (binomial) and then that many distinct pairs.
+DENSE_RATE = 1 / 16
+#: Elements per chunk of the dense draw (bounds its memory: 32 bits x 4 bytes x this).
+CHUNK = 1 << 16
+
+BitSpec = Union[None, str, int, Iterable[Union[int, str]]]
+
+
+def bit_faults(
+    module: nn.Module,
+    params: Params,
+    rate: float,
+    *,
+    bits: BitSpec = None,
+    one_fraction: float = 0.5,
+    seed: int = 0,
+) -> FaultPins:
+    """Stuck bits: each (element, bit) pair of the matched parameters' stored words stuck with probability ``rate``.
+
+    ``rate`` is a bit error rate: each bit position of each element's bit pattern (32 for
+    float32, 16 for bfloat16 / float16, 64 for float64) is stuck independently; a stuck bit reads
+    one with probability ``one_fraction``, else zero. The result is one stuck-bit pin per
+    parameter that drew a fault, holding ``stuck_at_zero`` / ``stuck_at_one`` masks for its faulty
+    elements: after every optimizer step ``bits = (bits & ~stuck_at_zero) | stuck_at_one``, the other
+    bits keep training. A pattern whose stuck bits alone would make the element inf or NaN
+    (every exponent bit stuck at one, which lightning-pin refuses) gets its polarities drawn again,
+    up to :data:`REDRAWS` times, then is skipped; ``summary``, ``redrawn`` and ``skipped`` say how many.
+
+    Drawing is vectorized: below :data:`DENSE_RATE` the number of stuck pairs is drawn from a
+    binomial, then that many distinct pairs, so a large tensor at a small rate costs about the
+    number of faults, not its size. Seeded with ``seed`` and the parameter's name, on the CPU, in
+    full-parameter coordinates: the same faults on every rank and run.
+
+    Args:
+        module: The module to be trained (``trainer.lightning_module``: names must match).
+        params: ``fnmatch`` globs (or ``"re:"`` regular expressions) over parameter names.
+        rate: Probability that one bit of one element is stuck, in ``[0, 1]``.
+        bits: Which bit positions may be stuck: ``None`` (all), ``"sign"``, ``"exponent"``,
+            ``"mantissa"`` (of each parameter's dtype), an int counted from the least significant
+            bit (0), or an iterable of those.
+        one_fraction: Probability that a stuck bit reads one, in ``[0, 1]``.
+        seed: Seed of the draw.
+
+    Returns:
+        A :class:`FaultPins` list of stuck-bit pins (masks in the signed integer type of the word:
+        int32 for float32, int16 for bfloat16 / float16, int64 for float64).
+
+    Raises:
+        PinError: ``params`` matches no parameter, a matched parameter is not float64 / float32 /
+            bfloat16 / float16, ``bits`` names a position the dtype does not have, or ``rate`` /
+            ``one_fraction`` / ``seed`` is out of range.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_pin.faults import bit_faults
+        >>> net = torch.nn.Linear(256, 64)
+        >>> pins = bit_faults(net, "weight", rate=1e-3, bits="exponent", seed=0)
+        >>> stuck = pins[0].stuck_at_zero | pins[0].stuck_at_one
+        >>> bool((stuck & ~0x7F800000 == 0).all())      # exponent bits of float32 only
+        True
+        >>> print(pins.summary.splitlines()[1])  # doctest: +ELLIPSIS
+          weight: ... stuck bits in ... of 16,384 elements (... read 1, ... read 0; bits 23-30); 0 re-drawn, 0 skipped
+    """
+    _check_fraction("rate", rate)
+    _check_fraction("one_fraction", one_fraction)
+    _check_seed(seed)
+    pins, lines, faulty, redrawn_total, skipped_total = [], [], {}, 0, 0
+    for name, parameter in _floating_parameters(module, params, "bit_faults").items():
+        dtype = parameter.dtype
+        if dtype not in BITS_DTYPES:
+            raise PinError(
+                f"bit_faults: {name!r} is {dtype}; stuck bits are modelled for {', '.join(map(str, BITS_DTYPES))}"
+            )
+        positions = bit_positions(bits, dtype, name)
+        numel = parameter.numel()
+        pairs = _stuck_pairs(numel * len(positions), float(rate), name_seed(f"{name}:bits", int(seed)))
+        if pairs.numel() == 0:
+            faulty[name] = 0
+            lines.append(f"{name}: no stuck bit ({rate:g} x {numel * len(positions):,} bit positions)")
+            continue
+        element = pairs // len(positions)
+        bit = torch.tensor(positions, dtype=torch.int64)[pairs % len(positions)]
+        value = torch.ones_like(bit).bitwise_left_shift(bit)  # bit 63 wraps to -2**63: still that bit
+        cells, owner = torch.unique_consecutive(element, return_inverse=True)  # pairs are sorted
+        polarity = torch.Generator().manual_seed(name_seed(f"{name}:ones", int(seed)))
+        one = torch.rand(pairs.numel(), generator=polarity, dtype=torch.float64) < one_fraction
+        exponent = _exponent_mask(dtype)
+        zero_mask, one_mask = _masks(cells.numel(), owner, value, one)
+        refused = (one_mask & exponent) == exponent
+        first_refused = int(refused.sum())
+        for _ in range(REDRAWS if first_refused else 0):
+            again = refused[owner]
+            one[again] = torch.rand(int(again.sum()), generator=polarity, dtype=torch.float64) < one_fraction
+            zero_mask, one_mask = _masks(cells.numel(), owner, value, one)
+            refused = (one_mask & exponent) == exponent
+            if not bool(refused.any()):
+                break
+        skipped = int(refused.sum())
+        if skipped:
+            kept = ~refused
+            cells, zero_mask, one_mask = cells[kept], zero_mask[kept], one_mask[kept]
+            one, value = one[kept[owner]], value[kept[owner]]
+        redrawn_total += first_refused - skipped
+        skipped_total += skipped
+        faulty[name] = cells.numel()
+        if cells.numel():
+            word = BITS_DTYPES[dtype]
+            pins.append(
+                Pin(
+                    _exact_pattern(name),
+                    indices=_coordinates(cells, tuple(parameter.shape)),
+                    stuck_at_zero=zero_mask.to(word),  # integer casts wrap: the same bits in the word's type
+                    stuck_at_one=one_mask.to(word),
+                )
+            )
+        ones = int(one.sum())
+        lines.append(
+            f"{name}: {value.numel():,} stuck bits in {cells.numel():,} of {numel:,} elements ({ones:,} read 1, "
+            f"{value.numel() - ones:,} read 0; bits {_ranges(positions)}); {first_refused - skipped} re-drawn, "
+            f"{skipped} skipped"
+        )
+    title = f"bit faults (rate {rate:g}, one_fraction {one_fraction:g}, seed {seed})"
+    return _finish(pins, title, lines, faulty, redrawn_total, skipped_total)
+
+
+def bit_positions(bits: BitSpec, dtype: torch.dtype, name: str = "") -> list[int]:
+    """The sorted bit positions (0 = least significant) ``bits`` names in ``dtype``'s word.
+
+    Example::
+
+        >>> bit_positions("exponent", torch.bfloat16), bit_positions(["sign", 0], torch.float16)
+        ([7, 8, 9, 10, 11, 12, 13, 14], [0, 15])
+
+    Raises:
+        PinError: a name other than ``"sign"`` / ``"exponent"`` / ``"mantissa"``, a position
+            outside the word, or no position at all.
+    """
+    width, mantissa = _word(dtype)
+    named = {
+        "sign": [width - 1],
+        "exponent": list(range(mantissa, width - 1)),
+        "mantissa": list(range(mantissa)),
+    }
+    items = [bits] if bits is None or isinstance(bits, (str, int)) else list(bits)
+    chosen: set[int] = set()
+    for item in items:
+        if item is None:
+            chosen.update(range(width))
+        elif isinstance(item, str):
+            if item not in named:
+                raise PinError(f"bit_faults: bits {item!r} is not one of 'sign', 'exponent', 'mantissa' or a position")
+            chosen.update(named[item])
+        elif isinstance(item, numbers.Integral) and not isinstance(item, bool):
+            if not 0 <= int(item) < width:
+                where = f" of {name!r}" if name else ""
+                raise PinError(
+                    f"bit_faults: bit {item} is outside the {width}-bit word of {dtype}{where}; "
+                    f"positions count from 0 (least significant) to {width - 1} (the sign)"
+                )
+            chosen.add(int(item))
+        else:
+            raise PinError(f"bit_faults: bits must be None, 'sign', 'exponent', 'mantissa' or ints, got {item!r}")
+    if not chosen:
+        raise PinError("bit_faults: bits names no bit position")
+    return sorted(chosen)
+
+
+def _word(dtype: torch.dtype) -> tuple[int, int]:
+    """Bits of ``dtype``'s word and of its mantissa (eps is 2 ** -mantissa bits)."""
+    info = torch.finfo(dtype)
+    return info.bits, round(-math.log2(info.eps))
+
+
+def _exponent_mask(dtype: torch.dtype) -> int:
+    width, mantissa = _word(dtype)
+    mask = ((1 << (width - 1 - mantissa)) - 1) << mantissa
+    return mask if mask < 2**63 else mask - 2**64  # as int64 (float64's exponent fits anyway)
+
+
+def _masks(count: int, owner: Tensor, value: Tensor, one: Tensor) -> tuple[Tensor, Tensor]:
+    """Per element, the OR of its stuck-at-zero and stuck-at-one bits (distinct bits: a sum is an OR)."""
+    zeros = torch.zeros(count, dtype=torch.int64)
+    return (
+        zeros.index_add(0, owner, torch.where(one, 0, value)),
+        zeros.index_add(0, owner, torch.where(one, value, 0)),
+    )
+
+
+def _stuck_pairs(total: int, rate: float, seed: int) -> Tensor:
+    """Sorted ids in ``[0, total)`` of the pairs stuck, each independently with probability ``rate``."""
+    generator = torch.Generator().manual_seed(seed)
+    if rate == 0 or total == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    if rate >= 1:
+        return torch.arange(total)
+    if rate >= DENSE_RATE:
+        chunks = []
+        for start in range(0, total, CHUNK * 32):
+            size = min(CHUNK * 32, total - start)
+            chunks.append((torch.rand(size, generator=generator) < rate).nonzero().squeeze(1) + start)
+        return torch.cat(chunks)
+    # Sparse: as many pairs as a binomial draw says, then a uniform subset of that size, which is
+    # the same distribution as one Bernoulli draw per pair at O(faults) cost.
+    count = int(
+        torch.binomial(
+            torch.tensor([float(total)], dtype=torch.float64),
+            torch.tensor([rate], dtype=torch.float64),
+            generator=generator,
+        ).item()
+    )
+    return _distinct(total, count, generator).sort().values
+
+
+def _distinct(total: int, count: int, generator: torch.Generator) -> Tensor:
+    """A uniform random ``count``-subset of ``[0, total)``: the first distinct values of a uniform stream."""
+    draws = torch.zeros(0, dtype=torch.int64)
+    while int(torch.unique(draws).numel()) < count:
+        missing = count - int(torch.unique(draws).numel())
+        draws = torch.cat([draws, torch.randint(total, (missing + missing // 8 + 16,), generator=generator)])
+    unique, inverse = torch.unique(draws, return_inverse=True)
+    first = torch.full((unique.numel(),), draws.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(draws.numel()), reduce="amin")
+    return unique[first.argsort()[:count]]
+
+
+def _ranges(positions: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+# ----------------------------------------------------------------------------------------------
 # Helpers shared by the generators
 
 
-def _finish(pins: list[Pin], title: str, lines: list[str], faulty: dict[str, int]) -> FaultPins:
+def _finish(
+    pins: list[Pin], title: str, lines: list[str], faulty: dict[str, int], redrawn: int = 0, skipped: int = 0
+) -> FaultPins:
     summary = "\n".join([title, *(f"  {line}" for line in lines)])
     log.info(summary)
-    return FaultPins(pins, summary, faulty)
+    return FaultPins(pins, summary, faulty, redrawn, skipped)
 
 
 def _floating_parameters(module: nn.Module, params: Params, who: str) -> dict[str, Tensor]:

@@ -205,3 +205,164 @@ def test_faults_module_imports_no_lightning():
     code = "import sys, lightning_pin.faults; print([m for m in sys.modules if m.split('.')[0] == 'lightning'])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------------------------
+# bit_faults
+
+WORDS = {torch.float32: (32, 23), torch.bfloat16: (16, 7), torch.float16: (16, 10), torch.float64: (64, 52)}
+
+
+def stuck_pairs(p: Pin) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masks of a stuck-bit pin as int64 with only the word's bits (undoing the signed view)."""
+    width = {torch.int16: 16, torch.int32: 32, torch.int64: 64}[p.stuck_at_zero.dtype]
+    keep = (1 << width) - 1 if width < 64 else -1
+    return p.stuck_at_zero.to(torch.int64) & keep, p.stuck_at_one.to(torch.int64) & keep
+
+
+def bits_of(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """(k, width) bool: which bits each mask has."""
+    positions = torch.arange(width, dtype=torch.int64)
+    return (mask.unsqueeze(1).bitwise_right_shift(positions) & 1).bool()
+
+
+@pytest.mark.parametrize("dtype", list(WORDS), ids=str)
+@pytest.mark.parametrize("which", ["sign", "exponent", "mantissa", None, [0, 3]])
+def test_bit_faults_stick_only_the_chosen_bits_of_the_dtype(dtype, which):
+    from lightning_pin.faults import bit_faults
+
+    width, mantissa = WORDS[dtype]
+    allowed = {
+        "sign": {width - 1},
+        "exponent": set(range(mantissa, width - 1)),
+        "mantissa": set(range(mantissa)),
+        None: set(range(width)),
+    }.get(which, {0, 3}) if not isinstance(which, list) else {0, 3}
+    net = nn.Linear(64, 32).to(dtype)
+    pins = bit_faults(net, "weight", rate=0.05, bits=which, seed=2)
+    (p,) = pins
+    assert p.stuck_at_zero.dtype == p.stuck_at_one.dtype == {16: torch.int16, 32: torch.int32, 64: torch.int64}[width]
+    zero, one = stuck_pairs(p)
+    assert not bool((zero & one).any())  # no bit stuck both ways
+    stuck = bits_of(zero | one, width)
+    assert bool(stuck.any(dim=1).all())  # every listed element has a stuck bit
+    assert {int(b) for b in stuck.any(dim=0).nonzero().squeeze(1)} <= allowed
+    index = flat_index(p, (32, 64))
+    assert torch.equal(index, index.unique())  # sorted, distinct
+    assert pins.faulty == {"weight": index.numel()}
+
+
+@pytest.mark.parametrize("rate", [1e-3, 0.05, 0.2])  # sparse (binomial) and dense (per pair) draws
+def test_bit_faults_are_a_bit_error_rate(rate):
+    from lightning_pin.faults import bit_faults
+
+    module = nn.Module()
+    module.w = nn.Parameter(torch.zeros(20_000))
+    (p,) = bit_faults(module, "w", rate=rate, one_fraction=0.25, seed=11)
+    zero, one = stuck_pairs(p)
+    ones, zeros = bits_of(one, 32), bits_of(zero, 32)
+    pairs = 20_000 * 32
+    stuck = int(ones.sum() + zeros.sum())
+    sigma = (pairs * rate * (1 - rate)) ** 0.5
+    assert abs(stuck - pairs * rate) < 5 * sigma
+    assert abs(int(ones.sum()) - 0.25 * stuck) < 5 * (stuck * 0.25 * 0.75) ** 0.5
+    # Uniform over positions and elements: every bit position and both halves of the tensor get their share.
+    per_bit = (ones | zeros).sum(dim=0).double()
+    assert bool((per_bit - pairs / 32 * rate).abs().lt(5 * (pairs / 32 * rate) ** 0.5 + 3).all())
+    index = flat_index(p, (20_000,))
+    first_half = int((index < 10_000).sum())
+    assert abs(first_half - index.numel() / 2) < 5 * (index.numel() / 4) ** 0.5 + 2
+
+
+def test_bit_faults_are_seeded_by_seed_and_name_only():
+    from lightning_pin.faults import bit_faults
+
+    net = nn.Linear(64, 32)
+    a = bit_faults(net, "*", rate=0.01, seed=4)
+    torch.manual_seed(99)
+    b = bit_faults(net, "*", rate=0.01, seed=4)
+    c = bit_faults(net, "*", rate=0.01, seed=5)
+    assert [p.fingerprint() for p in a] == [p.fingerprint() for p in b]
+    assert a[0].fingerprint() != c[0].fingerprint()
+    # Drawn from the name, not from the module's weights: another module with the same names draws the same faults.
+    assert [p.fingerprint() for p in bit_faults(nn.Linear(64, 32), "*", rate=0.01, seed=4)] == [
+        p.fingerprint() for p in a
+    ]
+
+
+def test_bit_faults_redraw_patterns_that_would_read_inf_or_nan_and_skip_what_cannot_be_redrawn():
+    from lightning_pin.faults import bit_faults
+
+    module = nn.Module()
+    module.w = nn.Parameter(torch.zeros(4096))
+    # Every exponent bit stuck: at one_fraction 0.5, 1 in 256 elements first draws all of them at one.
+    pins = bit_faults(module, "w", rate=1.0, bits="exponent", seed=0)
+    zero, one = stuck_pairs(pins[0])
+    assert torch.equal(zero | one, torch.full((4096,), 0x7F800000))  # nothing skipped: all re-drawn
+    assert not bool((one == 0x7F800000).any())
+    assert 0 < pins.redrawn < 60 and pins.skipped == 0
+    assert f"{pins.redrawn} re-drawn, 0 skipped" in pins.summary
+    # At one_fraction 1 no polarity can help: every element is skipped, and the summary says so.
+    none = bit_faults(module, "w", rate=1.0, bits="exponent", one_fraction=1.0)
+    assert none == [] and none.skipped == 4096 and none.redrawn == 0 and "0 re-drawn, 4096 skipped" in none.summary
+    # Stuck mantissa bits do not save an element whose exponent reads all ones.
+    some = bit_faults(module, "w", rate=1.0, bits=["exponent", "mantissa"], one_fraction=1.0)
+    assert some == [] and some.skipped == 4096
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=0, max_size=3),
+    dtype=st.sampled_from(list(WORDS)),
+    rate=st.sampled_from([0.0, 1e-3, 0.03, 0.3, 1.0]),
+    positions=st.one_of(st.none(), st.sampled_from(["sign", "exponent", "mantissa"]), st.sets(st.integers(0, 15))),
+    one_fraction=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**40),
+)
+def test_bit_faults_property(shape, dtype, rate, positions, one_fraction, seed):
+    from lightning_pin.faults import bit_faults
+
+    if positions is not None and not isinstance(positions, str) and not positions:
+        positions = None
+    module = nn.Module()
+    module.w = nn.Parameter(torch.randn(shape).to(dtype))
+    pins = bit_faults(module, "w", rate=rate, bits=positions, one_fraction=one_fraction, seed=seed)
+    width, mantissa = WORDS[dtype]
+    exponent = ((1 << (width - 1 - mantissa)) - 1) << mantissa
+    assert pins.faulty["w"] == sum(len(p.indices) for p in pins)
+    for p in pins:
+        zero, one = stuck_pairs(p)
+        assert not bool((zero & one).any()) and bool(((zero | one) != 0).all())
+        assert not bool(((one & exponent) == exponent).any())  # never inf / NaN by stuck bits alone
+        assert p.indices.shape[1] == len(shape)
+        resolve(pins, module)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"bits": 16}, r"bit 16 is outside the 16-bit word of torch.bfloat16 of 'w'"),
+        ({"bits": [-1]}, r"bit -1 is outside the 16-bit word"),
+        ({"bits": "fraction"}, "bits 'fraction' is not one of 'sign', 'exponent', 'mantissa'"),
+        ({"bits": [1.5]}, "bits must be None, 'sign', 'exponent', 'mantissa' or ints"),
+        ({"bits": []}, "bits names no bit position"),
+        ({"one_fraction": -0.5}, r"one_fraction must be a number in \[0, 1\]"),
+        ({"rate": 2}, r"rate must be a number in \[0, 1\]"),
+    ],
+)
+def test_bit_faults_refuse_bad_input(kwargs, match):
+    from lightning_pin.faults import bit_faults
+
+    module = nn.Module()
+    module.w = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(PinError, match=match):
+        bit_faults(module, "w", **{"rate": 0.1, **kwargs})
+
+
+def test_bit_faults_refuse_words_without_a_stuck_bit_model():
+    from lightning_pin.faults import bit_faults
+
+    module = nn.Module()
+    module.w = nn.Parameter(torch.zeros(3, dtype=torch.float8_e4m3fn), requires_grad=False)
+    with pytest.raises(PinError, match="'w' is torch.float8_e4m3fn; stuck bits are modelled for torch.float64"):
+        bit_faults(module, "w", rate=0.1)
