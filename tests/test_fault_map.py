@@ -1,0 +1,170 @@
+"""Fault-map files: stuck values, stuck bits and bounds per parameter name; the older NaN maps still load."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from lightning_pin import Pin, PinError
+from lightning_pin.app.pins import fault_map_pins, random_fault_map
+from lightning_pin.core.plan import resolve
+from lightning_pin.faults import bit_faults, cell_faults, load_fault_map, save_fault_map
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(16, 3))
+
+
+def targets(pins, module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(index, values) per parameter, merged over the pins, as the plan resolves them."""
+    out = {}
+    for rp in resolve(pins, module).pins:
+        for name, s in rp.selections.items():
+            out[name] = (s.index.to(torch.int64), s.values)
+    return out
+
+
+def unsigned(mask: torch.Tensor) -> torch.Tensor:
+    width = 8 * mask.element_size()
+    return mask.to(torch.int64) & ((1 << width) - 1) if width < 64 else mask
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_cell_faults_round_trip_through_a_file(tmp_path, suffix):
+    module = net()
+    pins = cell_faults(module, "*.weight", rate=0.2, seed=4)
+    path = save_fault_map(pins, tmp_path / f"chip{suffix}")
+    loaded = load_fault_map(path)
+    assert loaded.faulty == pins.faulty
+    before, after = targets(pins, module), targets(loaded, module)
+    assert before.keys() == after.keys() == {"0.weight", "2.weight"}
+    for name in before:
+        assert torch.equal(before[name][0], after[name][0]) and torch.equal(before[name][1], after[name][1])
+    assert "0.weight: 7 stuck values" in loaded.summary
+
+
+def test_bit_faults_round_trip_through_a_file_as_unsigned_patterns(tmp_path):
+    module = net().to(torch.bfloat16)
+    pins = bit_faults(module, "2.weight", rate=0.05, bits=["sign", "exponent"], seed=1)
+    path = save_fault_map(pins, tmp_path / "chip.safetensors")
+    (loaded,) = load_fault_map(path)
+    assert loaded.kind == "stuck_bits" and torch.equal(loaded.indices, pins[0].indices)
+    for field in ("stuck_at_zero", "stuck_at_one"):
+        # The file holds the bit patterns as int64 >= 0 (0x8000 for bfloat16's sign, not -32768).
+        assert bool((getattr(loaded, field) >= 0).all())
+        assert torch.equal(getattr(loaded, field), unsigned(getattr(pins[0], field)))
+
+
+def test_the_older_nan_maps_load_as_they_did(tmp_path):
+    module = net()
+    faults = random_fault_map(module, "*.weight", fraction=0.25, seed=2)
+    torch.save(faults, tmp_path / "old.pt")
+    save_file(faults, str(tmp_path / "old.safetensors"))
+    for path in (tmp_path / "old.pt", tmp_path / "old.safetensors"):
+        pins = fault_map_pins(path)
+        assert [p.params for p in pins] == ["0.weight", "2.weight"]
+        for p in pins:
+            stuck = faults[p.params]
+            assert torch.equal(p.mask, ~stuck.isnan()) and torch.equal(p.value, stuck[~stuck.isnan()])
+
+
+def test_a_dense_map_holds_values_stuck_bits_and_bounds(tmp_path):
+    nan, inf = math.nan, math.inf
+    fault_map = {
+        "2.bias:value": torch.tensor([nan, 0.5, nan]),
+        "2.bias:stuck_at_one": torch.tensor([0x40000000, 0, 0]),
+        "2.bias:low": torch.tensor([-inf, -inf, 0.0]),
+        "0.bias:high": torch.tensor([inf, 1.0, inf, 2.0]),
+    }
+    torch.save(fault_map, tmp_path / "chip.pt")
+    pins = load_fault_map(tmp_path / "chip.pt")
+    by_kind = {(p.params, p.kind): p for p in pins}
+    assert set(by_kind) == {("2.bias", "value"), ("2.bias", "stuck_bits"), ("2.bias", "bounds"), ("0.bias", "bounds")}
+    value = by_kind["2.bias", "value"]
+    assert torch.equal(value.mask, torch.tensor([False, True, False])) and torch.equal(value.value, torch.tensor([0.5]))
+    bits = by_kind["2.bias", "stuck_bits"]
+    assert torch.equal(bits.mask, torch.tensor([True, False, False]))
+    assert torch.equal(bits.stuck_at_one, torch.tensor([0x40000000])) and bits.stuck_at_zero is None
+    low, high = by_kind["2.bias", "bounds"].bounds
+    assert torch.equal(low, torch.tensor([0.0]).double()) and torch.equal(high, torch.tensor([inf]).double())
+    low, high = by_kind["0.bias", "bounds"].bounds
+    assert torch.equal(by_kind["0.bias", "bounds"].mask, torch.tensor([False, True, False, True]))
+    assert torch.equal(low, torch.full((2,), -inf).double()) and torch.equal(high, torch.tensor([1.0, 2.0]).double())
+    assert pins.faulty == {"2.bias": 3, "0.bias": 2}
+
+
+def test_save_merges_pins_on_one_parameter(tmp_path):
+    pins = [
+        Pin("w", indices=[[0], [2]], stuck_at_one=0x40000000),
+        Pin("w", indices=[[2], [3]], stuck_at_zero=[0x1, 0x2], stuck_at_one=[0x10, 0]),
+        Pin("w", indices=[[1]], bounds=(-1.0, 1.0)),
+        Pin("w", indices=[[1]], bounds=(0.0, 2.0)),
+        Pin("v", mask=torch.tensor([[True, False], [False, True]]), value=torch.tensor([[1.0, 9.0], [9.0, 2.0]])),
+    ]
+    saved = torch.load(save_fault_map(pins, tmp_path / "m.pt"), weights_only=True)
+    assert torch.equal(saved["w:indices"], torch.tensor([[0], [1], [2], [3]]))
+    assert torch.equal(saved["w:stuck_at_one"], torch.tensor([0x40000000, 0, 0x40000010, 0]))
+    assert torch.equal(saved["w:stuck_at_zero"], torch.tensor([0, 0, 0x1, 0x2]))
+    assert torch.equal(saved["w:low"], torch.tensor([-math.inf, 0.0, -math.inf, -math.inf]).double())
+    assert torch.equal(saved["w:high"], torch.tensor([math.inf, 1.0, math.inf, math.inf]).double())
+    assert torch.equal(saved["v:indices"], torch.tensor([[0, 0], [1, 1]]))
+    assert torch.equal(saved["v:value"], torch.tensor([1.0, 2.0]))
+    assert saved.keys() == {"w:indices", "w:stuck_at_zero", "w:stuck_at_one", "w:low", "w:high", "v:indices", "v:value"}
+
+
+@pytest.mark.parametrize(
+    ("pins", "match"),
+    [
+        ([Pin("*.weight", indices=[[0]], value=1.0)], "must name one parameter exactly"),
+        ([Pin(["a", "b"], indices=[[0]], value=1.0)], "must name one parameter exactly"),
+        ([Pin("w", fraction=0.5, value=1.0)], "fraction, when, start_step and stop_step cannot be saved"),
+        ([Pin("w", indices=[[0]], value=1.0, start_step=3)], "cannot be saved"),
+        ([Pin("w", indices=[[0]])], "has no value"),
+        ([Pin("w", value=1.0)], "selects a whole tensor whose shape it does not tell"),
+        ([Pin("w", indices=[[0]], value="values.pt")], "value must be given in memory"),
+        ([Pin("w", indices=[[0]], value=1.0), Pin("w", indices=[[0]], value=2.0)], r"element \(0,\) of 'w' is given"),
+        (
+            [Pin("w", indices=[[0]], stuck_at_one=0x1), Pin("w", indices=[[0]], stuck_at_zero=0x3)],
+            r"element \(0,\) of 'w' has bits 0x1 stuck at zero and at one",
+        ),
+        ([Pin("w", indices=[[0]], bounds=(0, 1)), Pin("w", indices=[[0]], bounds=(2, 3))], "do not overlap"),
+        ([], "no pins to save"),
+    ],
+)
+def test_save_refuses_what_a_fault_map_cannot_hold(tmp_path, pins, match):
+    with pytest.raises(PinError, match=match):
+        save_fault_map(pins, tmp_path / "m.pt")
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_save_refuses_other_suffixes(tmp_path):
+    with pytest.raises(PinError, match=r"must end in .pt, .pth or .safetensors"):
+        save_fault_map([Pin("w", indices=[[0]], value=1.0)], tmp_path / "m.npy")
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ({"w:colour": torch.zeros(3)}, "key 'w:colour' ends in 'colour'"),
+        ({"w:value": torch.zeros(3), "w:low": torch.zeros(4)}, r"w:low has shape \(4,\); expected \(3,\)"),
+        ({"w": torch.zeros(3), "w:value": torch.zeros(3)}, "has its stuck values twice"),
+        ({"w:stuck_at_one": torch.zeros(3)}, "must hold integer bit patterns"),
+        ({"w:indices": torch.zeros(2, 1), "w:value": torch.zeros(2)}, "integer coordinates"),
+        ({"w": torch.full((3,), math.nan)}, "marks no faulty cell"),
+        ({"w": [1.0]}, "must hold a dict of tensors"),
+    ],
+)
+def test_load_refuses_malformed_maps(tmp_path, content, match):
+    torch.save(content, tmp_path / "m.pt")
+    with pytest.raises(PinError, match=match):
+        load_fault_map(tmp_path / "m.pt")
+
+
+def test_load_names_a_missing_file(tmp_path):
+    with pytest.raises(PinError, match="does not exist.*save_fault_map"):
+        load_fault_map(tmp_path / "nope.pt")
