@@ -7,10 +7,10 @@ import numbers
 from typing import Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
-from lightning_pin.core.plan import fraction_indices, name_seed
+from lightning_pin.core.plan import name_seed
 from lightning_pin.core.spec import Pin
 from lightning_pin.faults._common import (
     FaultPins,
@@ -37,13 +37,17 @@ def cell_faults(
     """Stuck-at cells: a ``rate`` fraction of each matched parameter's elements, stuck at 0 or at ``±high``.
 
     Each matched parameter gets ``round(rate * numel)`` faulty cells (none when that rounds to
-    0), exactly the elements ``Pin(name, fraction=rate, seed=seed)`` selects. Each faulty cell is
-    SA1 with probability ``sa1_fraction`` (drawn per cell), else SA0. An SA0 cell reads ``0.0``;
-    an SA1 cell reads ``high`` with the sign of its weight when drawn (``copysign``: ``-0.0``
-    reads ``-high``), as a differential pair whose device is stuck at its extreme conductance.
-    ``high`` defaults to the parameter's largest magnitude when the faults are drawn, so draw
-    them on the trained model you retrain. Both draws are seeded with ``seed`` and the
-    parameter's name: the same cells and kinds on every rank and run.
+    0), a uniform random subset. Each faulty cell is SA1 with probability ``sa1_fraction``, else
+    SA0. An SA0 cell reads ``0.0``; an SA1 cell reads ``high`` with the sign of its weight when
+    drawn (``copysign``: ``-0.0`` reads ``-high``), as a differential pair whose device is stuck
+    at its extreme conductance. ``high`` defaults to the parameter's largest magnitude when the
+    faults are drawn, so draw them on the trained model you retrain.
+
+    Every element gets one uniform key for "is it faulty" and one for "SA1 or SA0", from
+    generators seeded with ``seed`` and the parameter's name, in full-parameter coordinates:
+    the same faults on every rank and run, and nested across rates: with one seed, a higher
+    rate keeps every faulty cell of a lower one, of the same kind, and adds more (common random
+    numbers for a fault-rate sweep). Cost: two draws per element of the matched parameters.
 
     Args:
         module: The module to be trained (``trainer.lightning_module``: names must match).
@@ -90,9 +94,9 @@ def cell_faults(
         if count == 0:
             lines.append(f"{name}: no faulty cell ({rate:g} of {weights.numel():,} rounds to 0)")
             continue
-        cells = fraction_indices(name, weights.numel(), float(rate), int(seed))
-        generator = torch.Generator().manual_seed(name_seed(f"{name}:sa1", int(seed)))
-        sa1 = torch.rand(count, generator=generator, dtype=torch.float64) < sa1_fraction
+        cells = _smallest_keys(weights.numel(), count, name_seed(f"{name}:cells", int(seed)))
+        kinds = torch.Generator().manual_seed(name_seed(f"{name}:sa1", int(seed)))
+        sa1 = torch.rand(weights.numel(), generator=kinds, dtype=torch.float64)[cells] < sa1_fraction
         flat = weights.reshape(-1)[cells.to(weights.device)].cpu()
         # In the parameter's dtype from the start: every value drawn is pinned exactly as drawn.
         magnitude = weights.abs().max().cpu() if high is None else in_dtype(high, weights.dtype, name)
@@ -104,3 +108,13 @@ def cell_faults(
             f"at ±{magnitude.item():.6g})"
         )
     return finish(pins, f"cell faults (rate {rate:g}, sa1_fraction {sa1_fraction:g}, seed {seed})", lines, faulty)
+
+
+def _smallest_keys(numel: int, count: int, seed: int) -> Tensor:
+    """The sorted flat indices of the ``count`` elements with the smallest uniform keys.
+
+    Keys are one float64 draw per element from a generator seeded with ``seed``, so the cells of
+    a smaller ``count`` are always among those of a larger one.
+    """
+    keys = torch.rand(numel, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return keys.topk(count, largest=False, sorted=False).indices.sort().values
