@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import numbers
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -14,8 +13,6 @@ from torch import Tensor, nn
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import resolve
 from lightning_pin.core.spec import Pin
-
-log = logging.getLogger("lightning_pin.faults")
 
 Params = Union[str, Sequence[str]]
 
@@ -56,7 +53,6 @@ def finish(
     pins: list[Pin], title: str, lines: list[str], faulty: dict[str, int], redrawn: int = 0, skipped: int = 0
 ) -> FaultPins:
     summary = "\n".join([title, *(f"  {line}" for line in lines)])
-    log.info(summary)
     return FaultPins(pins, summary, faulty, redrawn, skipped)
 
 
