@@ -22,7 +22,8 @@ from torch import nn
 
 from helpers import StepRecorder, TinyNet, make_loader, trainer
 from lightning_pin import Pin, PinCallback
-from lightning_pin.core.engine import PARKED_VALUE, PinEngine, _refresh_interval
+from lightning_pin.core.engine import PARKED_VALUE, PinEngine
+from lightning_pin.core.parking import _refresh_interval
 from lightning_pin.core.plan import resolve
 
 STEPS = 13

@@ -11,26 +11,39 @@ register with :meth:`PinEngine.register_restore_hook` and get a removable handle
 from __future__ import annotations
 
 import dataclasses
-import math
-import sys
 import warnings
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import PinPlan, Selection, call_when
+from lightning_pin.core.layouts import _Layout
+from lightning_pin.core.parking import PARKED_VALUE, StatisticsParking
+from lightning_pin.core.projections import ExactValue, Interval, Projection, StuckBits, merge_faults
+from lightning_pin.core.sharding import (
+    LocalPart,
+    Target,
+    copy_at,
+    fill_at,
+    flat_view,
+    is_sharded,
+    local_part,
+    local_tensor,
+)
 from lightning_pin.core.state import CorruptPinState, PinState, SavedSelection
 
-# torch.distributed.tensor costs seconds to import (it pulls in sympy), and a plain loop never
-# needs it: a tensor can only be a DTensor once that module has been imported by someone else.
-_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # public from torch 2.4
+__all__ = [
+    "OPTIMIZER_STATE_KEYS", "PARKED_VALUE", "ExactValue", "Interval", "LocalPart", "PinEngine", "Projection",
+    "StepStats", "StuckBits", "Target", "Violation",
+    "copy_at", "fill_at", "flat_view", "is_sharded", "local_part", "local_tensor",
+]
+
 
 #: Per-element optimizer statistics that push an element, zeroed when a step-window pin activates.
 #: Step sizes (Rprop ``step_size``) and weight averages (ASGD ``ax``) are left alone.
@@ -46,32 +59,6 @@ OPTIMIZER_STATE_KEYS = (
     "prev",
 )
 
-#: The value at which the engine keeps the second-moment statistics of pinned elements between
-#: their pin's start and stop (see :meth:`PinEngine.park_statistics`): a normal float, whose square
-#: root torch's CPU kernels take at full speed (on exact zeros they are 3-10x slower).
-PARKED_VALUE = 1.0
-
-
-def _second_beta(group: Mapping[str, Any]) -> float:
-    return float(group["betas"][1])
-
-
-# Optimizers (exact types: a subclass may compute its step differently) whose statistics may be
-# parked, each with the keys of the statistics that reach the update only under a square root,
-# dividing a numerator that is exactly zero for a pinned element (its masked gradient and its
-# first moment, zeroed at activation), and the factor by which the group's statistics decay each
-# step. Adadelta adds eps under its roots and Adamax takes a max with ``|grad| + eps``: neither
-# ever takes the root of a zero, so they are left alone, as are SGD's momentum (no root) and
-# every other optimizer.
-_PARKABLE: dict[type, tuple[tuple[str, ...], Callable[[Mapping[str, Any]], float]]] = {
-    torch.optim.Adam: (("exp_avg_sq", "max_exp_avg_sq"), _second_beta),
-    torch.optim.AdamW: (("exp_avg_sq", "max_exp_avg_sq"), _second_beta),
-    torch.optim.NAdam: (("exp_avg_sq",), _second_beta),
-    torch.optim.RAdam: (("exp_avg_sq",), _second_beta),
-    torch.optim.RMSprop: (("square_avg",), lambda group: float(group["alpha"])),
-    torch.optim.Adagrad: (("sum",), lambda group: 1.0),
-}
-
 # Optimizers that leave a parameter whose grad is None completely alone (no update, no weight
 # decay, no state change). Exact types only: a subclass may override step(). For these, a
 # whole-tensor pin whose grad was dropped needs no restore after the step.
@@ -86,147 +73,26 @@ _SKIPS_NONE_GRADS = frozenset(
 
 
 @dataclasses.dataclass
-class Target:
-    """The merged targets of one parameter under one set of active pins.
-
-    Indices and values are in full-tensor coordinates. For a sharded parameter (a DTensor, under
-    FSDP2) :meth:`part` maps them once onto the shard this process holds, so masking and
-    restoring touch local memory only and need no communication.
-    """
-
-    name: str
-    parameter: nn.Parameter
-    #: Sorted flat (row-major) indices, or None for the whole tensor.
-    index: Tensor | None
-    #: One value per index, or of the parameter's shape when ``index`` is None. None when only
-    #: the positions matter (zeroing optimizer state).
-    values: Tensor | None
-    #: Storage-order positions for tensors that are not contiguous (e.g. channels_last), by strides.
-    _by_strides: dict[Any, Tensor] = dataclasses.field(default_factory=dict)
-    #: The pinned elements of each shard layout this process holds.
-    _shards: dict[Any, LocalPart] = dataclasses.field(default_factory=dict)
-
-    def part(self, tensor: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """``(view, positions, targets)``: what of ``tensor`` (the parameter, its grad or an
-        optimizer statistic) this process pins.
-
-        For element pins ``view`` is a flat view of the local data and ``positions`` index the
-        pinned elements in it; for a whole tensor ``positions`` is None and ``view`` is the
-        local data itself.
-        """
-        if is_sharded(tensor):
-            key = (tuple(tensor.placements), tuple(tensor.shape))
-            if key not in self._shards:
-                self._shards[key] = local_part(tensor, self.index, self.values, self.name)
-            shard = self._shards[key]
-            data, index, values, cache_key = tensor.to_local(), shard.index, shard.values, key
-        else:
-            data, index, values, cache_key = tensor, self.index, self.values, None
-        if index is None:
-            return data, None, values
-        flat, positions = flat_view(data, index, self._by_strides, cache_key)
-        return flat, positions, values
-
-    def flat(self, tensor: Tensor) -> tuple[Tensor, Tensor | None]:
-        """``(view, positions)`` of :meth:`part`, without the targets."""
-        view, positions, _ = self.part(tensor)
-        return view, positions
-
-    def flat_index_of(self, tensor: Tensor, positions_taken: Tensor) -> Tensor:
-        """Full-tensor row-major indices of the entries ``positions_taken`` of :meth:`part`."""
-        if is_sharded(tensor):
-            shard = self._shards[(tuple(tensor.placements), tuple(tensor.shape))]
-            if shard.global_index is not None:
-                return shard.global_index[positions_taken]
-            coords = torch.stack(torch.unravel_index(positions_taken, shard.shape), dim=1)
-            coords = coords + torch.tensor(shard.offset, device=coords.device)
-            strides = torch.tensor(_row_major_strides(tuple(tensor.shape)), device=coords.device)
-            return (coords * strides).sum(1)
-        return positions_taken if self.index is None else self.index[positions_taken]
-
-
-@dataclasses.dataclass
-class LocalPart:
-    """The pinned elements of a sharded tensor that lie in this process's shard."""
-
-    #: Row-major indices into the local shard, or None when the whole tensor is pinned.
-    index: Tensor | None
-    #: Their targets (local shape for a whole tensor), or None.
-    values: Tensor | None
-    #: Their full-tensor indices (None for a whole tensor).
-    global_index: Tensor | None
-    #: Where the shard starts in the full tensor, and its shape.
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-
-
-def is_sharded(tensor: Any) -> bool:
-    """Whether ``tensor`` is a DTensor (FSDP2, tensor parallel), without importing DTensor."""
-    for name in _DTENSOR_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and isinstance(tensor, module.DTensor):
-            return True
-    return False
-
-
-def local_part(tensor: Tensor, index: Tensor | None, values: Tensor | None, name: str) -> LocalPart:
-    """Map full-tensor indices and targets onto the shard of ``tensor`` this process holds."""
-    try:
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    except ImportError:  # torch 2.3
-        from torch.distributed._tensor import Replicate, Shard
-        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
-
-    unsupported = [p for p in tensor.placements if type(p) not in (Shard, Replicate)]
-    if unsupported:
-        raise PinError(
-            f"{name!r} is laid out as {tuple(tensor.placements)}; pins support Shard and Replicate placements "
-            "(FSDP2's fully_shard, data parallel), not {unsupported}"
-        )
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    if index is None:
-        local = None if values is None else values[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-        return LocalPart(None, None if local is None else local.contiguous(), None, tuple(offset), tuple(shape))
-    coords = torch.stack(torch.unravel_index(index, tuple(tensor.shape)), dim=1)
-    low = torch.tensor(offset, device=coords.device)
-    inside = ((coords >= low) & (coords < low + torch.tensor(shape, device=coords.device))).all(dim=1)
-    local_coords = coords[inside] - low
-    strides = torch.tensor(_row_major_strides(tuple(shape)), device=coords.device)
-    return LocalPart(
-        index=(local_coords * strides).sum(1),
-        values=None if values is None else values[inside],
-        global_index=index[inside],
-        offset=tuple(offset),
-        shape=tuple(shape),
-    )
-
-
-def _row_major_strides(shape: tuple[int, ...]) -> list[int]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return strides[::-1]
-
-
-def local_tensor(tensor: Tensor) -> Tensor:
-    """The data of ``tensor`` this process holds: a DTensor's local shard, else the tensor."""
-    return tensor.to_local() if is_sharded(tensor) else tensor
-
-
-@dataclasses.dataclass
 class Violation:
     """Pinned elements of one parameter found off target."""
 
     name: str
     count: int
-    #: Up to a few ``(coordinates, actual, target)`` examples.
-    examples: list[tuple[tuple[int, ...], float, float]]
+    #: Up to a few ``(coordinates, actual, target)`` examples. For stuck bits and bounds
+    #: ``target`` is a description: the bits held and stuck, or the interval.
+    examples: list[tuple[tuple[int, ...], float, float | str]]
+    #: The kind of pin broken: ``"value"``, ``"stuck_bits"`` or ``"bounds"``.
+    kind: str = "value"
 
     def __str__(self) -> str:
-        shown = ", ".join(f"{c}: {a!r} != {t!r}" for c, a, t in self.examples)
-        return f"{self.name}: {self.count} element(s) off target ({shown}{', ...' if self.count > len(self.examples) else ''})"
+        if self.kind == "value":
+            shown = ", ".join(f"{c}: {a!r} != {t!r}" for c, a, t in self.examples)
+            what = "off target"
+        else:
+            shown = ", ".join(f"{c}: {a!r} ({t})" for c, a, t in self.examples)
+            what = "with stuck bits off" if self.kind == "stuck_bits" else "out of bounds"
+        more = ", ..." if self.count > len(self.examples) else ""
+        return f"{self.name}: {self.count} element(s) {what} ({shown}{more})"
 
 
 @dataclasses.dataclass
@@ -247,12 +113,9 @@ class StepStats:
         return self.drift_sum / max(self.elements, 1)
 
 
-def _step_stats(
-    owned: Sequence[Target], untouched: Sequence[Target], moved: Sequence[Tensor], after: Sequence[Tensor]
-) -> StepStats:
-    device = owned[0].values.device if owned else torch.device("cpu")
+def _step_stats(elements: int, device: torch.device, moved: Sequence[Tensor], after: Sequence[Tensor]) -> StepStats:
+    """``moved``: ``|x - P(x)|`` per projection before the restore; ``after``: the same (or off flags) after it."""
     zero = torch.zeros((), device=device)
-    elements = sum(t.values.numel() for t in owned)
     if not moved:
         return StepStats(zero, zero, elements, zero.long())
     return StepStats(
@@ -261,61 +124,6 @@ def _step_stats(
         elements=elements,
         violations=torch.stack([(a != 0).sum() for a in after]).sum().to(device),
     )
-
-
-def flat_view(tensor: Tensor, index: Tensor, cache: dict | None = None, key: Any = None) -> tuple[Tensor, Tensor]:
-    """A 1-D view of ``tensor``'s storage and the storage positions of row-major ``index``.
-
-    Contiguous tensors need no translation. Dense but permuted ones (channels_last weights and
-    their grads) get the positions recomputed once per stride pattern and cached in ``cache``.
-    """
-    if tensor.is_contiguous():
-        return tensor.view(-1), index
-    strides = tensor.stride()
-    positions = None if cache is None else cache.get((key, strides))
-    if positions is None:
-        if not _is_dense(tensor):
-            raise PinError(f"cannot pin elements of a tensor with overlapping or gapped strides {strides}")
-        coords = torch.stack(torch.unravel_index(index, tensor.shape), dim=1)
-        positions = (coords * torch.tensor(strides, device=coords.device)).sum(1)
-        if cache is not None:
-            cache[(key, strides)] = positions
-    return tensor.as_strided((tensor.numel(),), (1,)), positions
-
-
-#: Indices converted to int64 at a time: bounds the transient memory of int32 -> int64 to 8 MiB.
-_CONVERT_CHUNK = 1 << 20
-
-
-def fill_at(flat: Tensor, positions: Tensor, value: float) -> None:
-    """``flat[positions] = value``. Positions are stored as int32 where they fit (half the memory
-    of int64); ``index_fill_`` wants int64, so they are widened a chunk at a time."""
-    if positions.dtype == torch.int64:
-        flat.index_fill_(0, positions, value)
-        return
-    for start in range(0, positions.numel(), _CONVERT_CHUNK):
-        flat.index_fill_(0, positions[start : start + _CONVERT_CHUNK].long(), value)
-
-
-def copy_at(flat: Tensor, positions: Tensor, values: Tensor) -> None:
-    """``flat[positions] = values``, widening int32 positions a chunk at a time (see :func:`fill_at`)."""
-    if positions.dtype == torch.int64:
-        flat.index_copy_(0, positions, values)
-        return
-    for start in range(0, positions.numel(), _CONVERT_CHUNK):
-        stop = start + _CONVERT_CHUNK
-        flat.index_copy_(0, positions[start:stop].long(), values[start:stop])
-
-
-def _is_dense(tensor: Tensor) -> bool:
-    expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda s: s[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 class PinEngine:
@@ -345,12 +153,12 @@ class PinEngine:
         #: Keep the statistics of pinned elements on torch's fast path (see park_statistics);
         #: False keeps them at zero as engines before parking did.
         self.park = True
-        self._parked: dict[int, _Parked] = {}
-        self._stat_targets: dict[tuple[int, str], Target] = {}
+        self._parking = StatisticsParking()
         self._optimizer_names: dict[int, tuple[tuple[int, ...], frozenset[str]]] = {}
         self._optimizers: list[Optimizer] = []
         self._dropped: set[str] = set()
         self._by_name: dict[frozenset[int], dict[str, Target]] = {}
+        self._faults: dict[frozenset[int], list[Projection]] = {}
         # Observers of each restore: id -> (hook, wants_stats). See register_restore_hook.
         self._restore_hooks: OrderedDict[int, tuple[Callable[[Optional[StepStats]], None], Callable[[], bool]]] = (
             OrderedDict()
@@ -431,15 +239,23 @@ class PinEngine:
     def _activate(self, started: Sequence[int]) -> None:
         for pin_id in started:
             rp = self.plan.pins[pin_id]
-            to_capture = {name: s for name, s in rp.selections.items() if s.values is None}
+            to_capture = {name: s for name, s in rp.selections.items() if s.kind == "value" and s.values is None}
             if to_capture:
                 self.captured[pin_id] = {name: self._read(s) for name, s in to_capture.items()}
                 self._forget(pin_id)
         touched = {name for pin_id in started for name in self.plan.pins[pin_id].selections}
         self._write([t for t in self.targets() if t.name in touched])
-        step_window_pins = [i for i in started if self.plan.pins[i].when is None]
+        # Faults hold from the first active step's forward on, as values do.
+        for projection in self.fault_projections():
+            if projection.name in touched:
+                projection.apply(projection.target.parameter.data)
+        # Stuck bits and bounds leave the optimizer state alone: those elements keep training.
+        step_window_pins = [i for i in started if self.plan.pins[i].when is None and self._is_value_pin(i)]
         for optimizer in self._optimizers:
             self.reset_optimizer_state(optimizer, step_window_pins)
+
+    def _is_value_pin(self, pin_id: int) -> bool:
+        return self.plan.pins[pin_id].pin.kind == "value"
 
     def _forget(self, pin_id: int) -> None:
         for cache in (self._targets, self._by_name):
@@ -466,6 +282,8 @@ class PinEngine:
         for explicit in (False, True):
             for pin_id in sorted(pin_ids):
                 for name, selection in self.plan.pins[pin_id].selections.items():
+                    if selection.kind != "value":
+                        continue  # held by a fault projection (see fault_projections)
                     values = selection.values if explicit else self.captured.get(pin_id, {}).get(name)
                     if (selection.values is not None) == explicit and values is not None:
                         parts.setdefault(name, []).append((pin_id, explicit, selection.index, values))
@@ -482,6 +300,28 @@ class PinEngine:
             index, values = layout.apply([values for _, _, _, values in entries])
             merged.append(Target(name, self.plan.parameters[name], index, values, _by_strides=layout.by_strides))
         return merged
+
+    def fault_projections(self, pin_ids: Iterable[int] | None = None) -> list[Projection]:
+        """Per parameter and kind, the merged stuck-bit and interval projections of ``pin_ids``
+        (default: the active pins). Built once per set of pins (it syncs), then reused."""
+        key = self.active if pin_ids is None else frozenset(pin_ids)
+        found = self._faults.get(key)
+        if found is None:
+            groups: dict[tuple[str, str], list[Selection]] = {}
+            for pin_id in sorted(key):
+                for name, selection in self.plan.pins[pin_id].selections.items():
+                    if selection.kind != "value":
+                        groups.setdefault((name, selection.kind), []).append(selection)
+            found = self._faults[key] = [
+                merge_faults(kind, name, self.plan.parameters[name], entries)
+                for (name, kind), entries in groups.items()
+            ]
+        return found
+
+    def projections(self, pin_ids: Iterable[int] | None = None) -> list[Projection]:
+        """Everything the pins ``pin_ids`` (default: the active ones) hold, one projection per
+        parameter and kind: :class:`ExactValue` for value pins, :class:`StuckBits`, :class:`Interval`."""
+        return [ExactValue(t) for t in self.targets(pin_ids)] + self.fault_projections(pin_ids)
 
     # ----------------------------------------------------------------------------------------
     # The optimizer step
@@ -610,12 +450,22 @@ class PinEngine:
             skipped = skips and target.index is None and target.name in self._dropped
             (untouched if skipped else todo).append(target)
         self._dropped.difference_update(t.name for t in owned)
+        faults = self.fault_projections()
+        if optimizer is not None and faults:
+            names = self._names_of(optimizer)
+            faults = [f for f in faults if f.name in names]
         measure = any([wants() for _, wants in self._restore_hooks.values()])
-        moved = [self._deviation(t) for t in todo] if measure else None
+        moved = None
+        if measure:
+            moved = [self._deviation(t) for t in todo] + [f.drift(f.target.parameter.detach()) for f in faults]
         self._write(todo)
+        for projection in faults:
+            projection.apply(projection.target.parameter.data)
         stats = None
         if moved is not None:
-            stats = _step_stats(owned, untouched, moved, [self._deviation(t) for t in todo])
+            after = [self._deviation(t) for t in todo] + [f.off(f.target.parameter.detach())[1] for f in faults]
+            elements = sum(t.values.numel() for t in owned) + sum(f.elements for f in faults)
+            stats = _step_stats(elements, self.device, moved, after)
         self.last_step_active = self.active
         for hook, _ in list(self._restore_hooks.values()):
             hook(stats)
@@ -645,21 +495,18 @@ class PinEngine:
     def write_into(self, parameters: Mapping[str, Tensor], pin_ids: Iterable[int] | None = None) -> None:
         """Write the merged targets of ``pin_ids`` (default: :attr:`checked_ids`) into a copy of the
         weights (an averaged model), by parameter name; names the copy lacks are skipped."""
-        for target in self.targets(self.checked_ids if pin_ids is None else pin_ids):
-            tensor = parameters.get(target.name)
-            if tensor is None:
-                continue
-            view, positions, values = target.part(tensor.detach())
-            values = values.to(device=view.device, dtype=view.dtype)
-            if positions is None:
-                view.copy_(values)
-            else:
-                copy_at(view, positions.to(view.device), values)
+        for projection in self.projections(self.checked_ids if pin_ids is None else pin_ids):
+            tensor = parameters.get(projection.name)
+            if tensor is not None:
+                projection.apply(tensor.detach())
 
     def force(self) -> None:
-        """Write the targets of every active pin now (e.g. after loading weights on resume)."""
+        """Write the targets of every active pin now, and force their stuck bits and bounds (e.g.
+        after loading weights on resume)."""
         with torch.no_grad():
             self._write(self.targets())
+            for projection in self.fault_projections():
+                projection.apply(projection.target.parameter.data)
 
     @torch.no_grad()
     def reset_optimizer_state(self, optimizer: Optimizer, pin_ids: Iterable[int]) -> None:
@@ -683,101 +530,27 @@ class PinEngine:
     # Parked statistics: the fast path of torch's kernels for pinned elements
 
     @torch.no_grad()
+    @torch.no_grad()
     def park_statistics(self, optimizer: Optimizer) -> None:
-        """Keep the second-moment statistics of pinned elements at :data:`PARKED_VALUE`.
-
-        A pinned element's gradient is masked to zero and its first moment was zeroed when its
-        pin started, so its update is exactly zero whatever its second moment holds, and the
-        restore writes its target back anyway. Left alone, that second moment is an exact zero
-        (or decays into subnormals), and torch's CPU kernels take the square root of those 3-10x
-        slower than of normal floats: at 50% pinned the optimizer step took twice as long. So the
-        engine writes :data:`PARKED_VALUE` there after the first step of a pin, and again before
-        the value could decay below ``sqrt`` of the smallest normal float (``beta2 = 0.999``:
-        every ~43,000 steps; ``alpha = 0.99``: every ~4,300).
-
-        Free elements are never touched, and the engine writes the zeros the statistics would
-        otherwise hold back wherever they can be seen: when a step-window pin stops (the
-        released elements start from zero statistics, as they did before), and before every
-        ``optimizer.state_dict()`` (checkpoints hold what they held before; the next step runs
-        once with the zeros), and when the engine is detached. Parked are ``exp_avg_sq`` and
-        ``max_exp_avg_sq`` of Adam, AdamW, NAdam and RAdam, ``square_avg`` of RMSprop and ``sum``
-        of Adagrad (exact types, every variant), for the elements of step-window pins, in param
-        groups where a masked gradient stays exactly zero inside the step: no weight decay, or
-        decoupled decay (AdamW, ``decoupled_weight_decay=True``). Coupled L2 decay adds
-        ``weight_decay * value`` to the gradient, so those statistics follow the value and are
-        left as they are, as are the statistics of ``when`` pins, which are never reset.
+        """Keep the second-moment statistics of pinned elements at :data:`PARKED_VALUE` (see
+        :meth:`StatisticsParking.park <lightning_pin.core.parking.StatisticsParking.park>`): torch's
+        CPU kernels take square roots of exact zeros 3-10x slower than of normal floats.
 
         Called by :meth:`restore` after every step of ``optimizer``; cheap between refreshes.
         """
-        if not self.park or type(optimizer) not in _PARKABLE:
+        if not self.park:
             return
-        key = frozenset(i for i in self.active if self.plan.pins[i].when is None)
-        parked = self._parked.get(id(optimizer))
-        if parked is None or parked.optimizer() is not optimizer or parked.key != key:
-            if parked is not None and parked.optimizer() is optimizer:
-                self._unpark(optimizer)  # elements the old set parked and the new one does not
-            parked = self._parked[id(optimizer)] = self._parking_of(optimizer, key)
-        if not parked.entries:
-            return
-        buffers = _parked_buffers(optimizer, parked.entries)
-        parked.countdown -= 1
-        unchanged = len(buffers) == len(parked.written) and all(
-            ref() is buffer for ref, (_, buffer) in zip(parked.written, buffers)
-        )
-        # A state tensor that is not the one written last is new (the optimizer's first step,
-        # load_state_dict): park it now.
-        if parked.countdown > 0 and unchanged:
-            return
-        for target, buffer in buffers:
-            view, positions, _ = target.part(buffer)
-            if positions is None:
-                view.fill_(PARKED_VALUE)
-            else:
-                fill_at(view, positions, PARKED_VALUE)
-        parked.written = [weakref.ref(buffer) for _, buffer in buffers]
-        parked.countdown = parked.interval
+        key = frozenset(i for i in self.active if self.plan.pins[i].when is None and self._is_value_pin(i))
+        self._parking.park(optimizer, self.plan, key, self.whole_grads)
 
-    def _parking_of(self, optimizer: Optimizer, key: frozenset[int]) -> _Parked:
-        """Which statistics of ``optimizer`` the step-window pins ``key`` park, and how often to refresh them."""
-        keys, decay_of = _PARKABLE[type(optimizer)]
-        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-        entries: list[tuple[Target, tuple[str, ...]]] = []
-        interval = _NEVER
-        for pin_id in sorted(key):
-            for name, selection in self.plan.pins[pin_id].selections.items():
-                group = group_of.get(id(selection.parameter))
-                if group is None or not _masked_grads_stay_zero(optimizer, group):
-                    continue
-                if selection.index is None and self.whole_grads == "drop" and not is_sharded(selection.parameter):
-                    continue  # its gradient is dropped: the optimizer never touches its state
-                steps = _refresh_interval(decay_of(group), selection.parameter.dtype)
-                if steps <= 0:
-                    continue  # decays to zero within a step: nothing to gain
-                stat_key = (pin_id, name)
-                if stat_key not in self._stat_targets:
-                    self._stat_targets[stat_key] = Target(name, selection.parameter, selection.index, None)
-                entries.append((self._stat_targets[stat_key], keys))
-                interval = min(interval, steps)
-        return _Parked(weakref.ref(optimizer), key, entries, interval)
-
-    @torch.no_grad()
     def _unpark(self, optimizer: Optimizer) -> None:
-        """Write back the zeros the parked statistics of ``optimizer`` would hold without parking."""
-        parked = self._parked.pop(id(optimizer), None)
-        if parked is None or parked.optimizer() is not optimizer:
-            return
-        for target, buffer in _parked_buffers(optimizer, parked.entries):
-            view, positions, _ = target.part(buffer)
-            if positions is None:
-                view.zero_()
-            else:
-                fill_at(view, positions, 0)
+        self._parking.unpark(optimizer)
 
     def _release_statistics(self, stopped: Iterable[int]) -> None:
         """When a step-window pin stops, its elements go on from fresh (zero) statistics: unpark,
         and zero what coupled L2 decay fed into the moments while the gradient was masked. Pins
         still active are parked again after the next step."""
-        window_pins = [i for i in stopped if self.plan.pins[i].when is None]
+        window_pins = [i for i in stopped if self.plan.pins[i].when is None and self._is_value_pin(i)]
         if window_pins:
             for optimizer in self._optimizers:
                 self._unpark(optimizer)
@@ -813,7 +586,8 @@ class PinEngine:
         ``pin_ids`` defaults to the active pins.
         """
         found = []
-        for target in self.targets(pin_ids):
+        for projection in self.projections(pin_ids):
+            target = projection.target
             tensor = target.parameter if parameters is None else parameters.get(target.name)
             if tensor is None:
                 raise PinError(f"verify: the module has no parameter {target.name!r}, which is pinned")
@@ -825,20 +599,27 @@ class PinEngine:
                     f"shape {tuple(target.parameter.shape)}; verify the module that was trained, or resolve "
                     "the pins again on the new one"
                 )
+            if projection.kind == "stuck_bits" and tensor.dtype != target.parameter.dtype:
+                raise PinError(
+                    f"verify: {target.name!r} is {tensor.dtype} here but its stuck bits are bits of "
+                    f"{target.parameter.dtype}; verify a copy in the parameter's dtype"
+                )
             tensor = tensor.detach()
-            view, positions, values = target.part(tensor)
-            actual = view.reshape(-1) if positions is None else view.index_select(0, positions)
-            expected = values.reshape(-1).to(actual.device)
-            off = actual != expected
+            actual, off = projection.off(tensor)
             if bool(off.any()):
                 where = off.nonzero().squeeze(1)[:examples]
                 # Coordinates from the row-major full-tensor index, not from storage positions.
                 flat_at = target.flat_index_of(tensor, where)
                 coords = torch.stack(torch.unravel_index(flat_at, tuple(tensor.shape)), dim=1).tolist()
-                shown = [
-                    (tuple(c), actual[w].item(), expected[w].item()) for c, w in zip(coords, where.tolist())
-                ]
-                found.append(Violation(target.name, int(off.sum()), shown))
+                if isinstance(projection, ExactValue):
+                    shown = [
+                        (tuple(c), actual[w].item(), projection.target_at(w)) for c, w in zip(coords, where.tolist())
+                    ]
+                else:
+                    shown = [
+                        (tuple(c), actual[w].item(), projection.expected(w)) for c, w in zip(coords, where.tolist())
+                    ]
+                found.append(Violation(target.name, int(off.sum()), shown, projection.kind))
         return found
 
     # ----------------------------------------------------------------------------------------
@@ -849,14 +630,7 @@ class PinEngine:
         pins = []
         for pin_id, rp in enumerate(self.plan.pins):
             captured = self.captured.get(pin_id, {})
-            pins.append(
-                {
-                    name: SavedSelection(
-                        s.index, s.values if s.values is not None else captured.get(name), s.values is not None
-                    )
-                    for name, s in rp.selections.items()
-                }
-            )
+            pins.append({name: _saved_selection(s, captured.get(name)) for name, s in rp.selections.items()})
         fingerprints = tuple(rp.pin.fingerprint() for rp in self.plan.pins)
         return PinState(fingerprints, tuple(pins), self.active, self.last_step_active, step)
 
@@ -907,7 +681,7 @@ class PinEngine:
             captured = {
                 name: saved.pins[pin_id][name].target.to(device=s.parameter.device, dtype=s.parameter.dtype)
                 for name, s in self.plan.pins[pin_id].selections.items()
-                if s.values is None and saved.pins[pin_id][name].target is not None
+                if s.kind == "value" and s.values is None and saved.pins[pin_id][name].target is not None
             }
             if captured:
                 self.captured[pin_id] = captured
@@ -929,6 +703,17 @@ class PinEngine:
             ):
                 problems.append(f"the selected elements of {name!r} differ")
                 continue
+            if saved[name].kind != selection.kind:
+                problems.append(f"{name!r} was saved as a {saved[name].kind} pin, now is a {selection.kind} pin")
+                continue
+            if selection.kind != "value":
+                mine = _saved_selection(selection, None)
+                fields = ("stuck_at_zero", "stuck_at_one") if selection.kind == "stuck_bits" else ("low", "high")
+                for field in fields:
+                    theirs = getattr(saved[name], field)
+                    if theirs.dtype != getattr(mine, field).dtype or not torch.equal(theirs, getattr(mine, field)):
+                        problems.append(f"the saved {field} of {name!r} differ from the spec's")
+                continue
             if target is None:
                 continue
             if tuple(target.shape) != (tuple(selection.parameter.shape) if index is None else (index.numel(),)):
@@ -942,6 +727,19 @@ class PinEngine:
         return problems
 
 
+def _saved_selection(selection: Selection, captured: Tensor | None) -> SavedSelection:
+    """What the state saves of one selection (see :mod:`lightning_pin.core.state`)."""
+    if selection.kind == "stuck_bits":
+        return SavedSelection(
+            selection.index, None, True, "stuck_bits",
+            stuck_at_zero=selection.stuck_at_zero.cpu(), stuck_at_one=selection.stuck_at_one.cpu(),
+        )
+    if selection.kind == "bounds":
+        return SavedSelection(selection.index, None, True, "bounds", low=selection.low.cpu(), high=selection.high.cpu())
+    explicit = selection.values is not None
+    return SavedSelection(selection.index, selection.values if explicit else captured, explicit)
+
+
 def _zero_grad_of(target: Target, grad: Tensor) -> None:
     """Zero the pinned elements of ``grad`` (all of it for a whole tensor)."""
     if target.index is None:
@@ -950,105 +748,3 @@ def _zero_grad_of(target: Target, grad: Tensor) -> None:
         flat, positions, _ = target.part(grad)
         # index_fill_, not a multiply: 0 * inf is NaN.
         fill_at(flat, positions, 0)
-
-
-#: A refresh interval for statistics that never decay.
-_NEVER = 1 << 62
-
-
-@dataclasses.dataclass
-class _Parked:
-    """The parked statistics of one optimizer (see :meth:`PinEngine.park_statistics`)."""
-
-    optimizer: weakref.ref
-    #: The step-window pins active when the entries were computed.
-    key: frozenset[int]
-    #: Where (a selection's positions) and which state keys are parked.
-    entries: list[tuple[Target, tuple[str, ...]]]
-    #: Restores between two writes of the parked value.
-    interval: int
-    #: Restores left until the next write (0 or less: at the next restore).
-    countdown: int = 0
-    #: Weak references to the state tensors written last.
-    written: list[weakref.ref] = dataclasses.field(default_factory=list)
-
-
-def _masked_grads_stay_zero(optimizer: Optimizer, group: Mapping[str, Any]) -> bool:
-    """Whether a gradient masked to zero is still exactly zero where the optimizer accumulates it:
-    no weight decay, or decay decoupled from the gradient. Coupled L2 decay adds ``wd * value``."""
-    return (
-        type(optimizer) is torch.optim.AdamW
-        or bool(group.get("decoupled_weight_decay", False))
-        or group.get("weight_decay", 0) == 0
-    ) and group.get("initial_accumulator_value", 0) == 0  # Adagrad: fresh state must be zero too
-
-
-def _refresh_interval(decay: float, dtype: torch.dtype) -> int:
-    """Steps after which a statistic parked at :data:`PARKED_VALUE` and multiplied by ``decay`` at
-    every step is still at least ``sqrt`` of ``dtype``'s smallest normal: it and its root normal."""
-    if decay >= 1:
-        return _NEVER
-    if decay <= 0:
-        return 0
-    floor = math.sqrt(torch.finfo(dtype).tiny if dtype.is_floating_point else torch.finfo(torch.float32).tiny)
-    return int(math.log(floor / PARKED_VALUE) / math.log(decay))
-
-
-def _parked_buffers(
-    optimizer: Optimizer, entries: Sequence[tuple[Target, tuple[str, ...]]]
-) -> list[tuple[Target, Tensor]]:
-    """The state tensors of ``entries`` that exist now, each with the positions to write."""
-    found = []
-    for target, keys in entries:
-        state = optimizer.state.get(target.parameter)
-        if not state:
-            continue
-        for key in keys:
-            buffer = state.get(key)
-            if isinstance(buffer, Tensor) and buffer.shape == target.parameter.shape:
-                found.append((target, buffer))
-    return found
-
-
-@dataclasses.dataclass
-class _Layout:
-    """How the entries ``(index, values)`` of one parameter merge, later entries winning.
-
-    It depends on the indices only: :meth:`of` works it out once (deduplicating indices syncs
-    with the host), and :meth:`apply` merges any values into it without a sync.
-    """
-
-    #: The entries' indices (None: the whole tensor).
-    indices: list[Tensor | None]
-    #: The merged, sorted, unique index; None for a single entry or when a whole tensor is pinned.
-    index: Tensor | None
-    #: Positions in the concatenated values that supply each merged value (None: no gather).
-    take: Tensor | None
-    #: Storage positions of ``index`` per stride pattern, shared by the targets merged with it.
-    by_strides: dict[Any, Tensor] = dataclasses.field(default_factory=dict)
-
-    @staticmethod
-    def of(indices: Sequence[Tensor | None]) -> _Layout:
-        indices = list(indices)
-        if len(indices) == 1 or any(index is None for index in indices):
-            return _Layout(indices, None, None)
-        index = torch.cat(indices)
-        order = torch.argsort(index, stable=True)
-        unique, counts = torch.unique_consecutive(index[order], return_counts=True)
-        take = order[counts.cumsum(0) - 1]
-        if take.numel() <= torch.iinfo(torch.int32).max:
-            take = take.to(torch.int32)  # index_select takes int32: half the memory
-        return _Layout(indices, unique, take)
-
-    def apply(self, values: Sequence[Tensor]) -> tuple[Tensor | None, Tensor]:
-        """``(index, values)`` of the merge of ``values`` (one per entry, in the entries' order)."""
-        if len(values) == 1:
-            return self.indices[0], values[0]
-        if self.take is not None:
-            return self.index, torch.cat(list(values)).index_select(0, self.take)
-        first = max(i for i, index in enumerate(self.indices) if index is None)
-        full = values[first].clone(memory_format=torch.contiguous_format)
-        flat = full.view(-1)
-        for index, entry_values in zip(self.indices[first + 1 :], values[first + 1 :]):
-            copy_at(flat, index, entry_values)
-        return None, full

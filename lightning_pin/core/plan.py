@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_pin.core import fault_plan
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
 from lightning_pin.core.spec import Pin, check_mask, check_value, coordinates, number_leaves, when_path
@@ -45,6 +46,15 @@ class Selection:
     values: Tensor | None
     #: How the elements were chosen, for the summary ("indices", "mask", "fraction 0.05", "whole").
     how: str
+    #: Which projection holds the elements: "value" (``values``), "stuck_bits" or "bounds".
+    kind: str = "value"
+    #: Stuck-bit masks per element (the parameter's shape for a whole tensor), in the signed
+    #: integer type of the parameter's width (int32 for float32), on the parameter's device.
+    stuck_at_zero: Tensor | None = None
+    stuck_at_one: Tensor | None = None
+    #: Bounds per element (the parameter's shape for a whole tensor), in the parameter's dtype.
+    low: Tensor | None = None
+    high: Tensor | None = None
 
     @property
     def count(self) -> int:
@@ -152,7 +162,8 @@ class PinPlan:
         for rp in self.pins:
             for name, selection in sorted(rp.selections.items()):
                 digest.update(name.encode())
-                for tensor in (selection.index, selection.values):
+                faults = (selection.stuck_at_zero, selection.stuck_at_one, selection.low, selection.high)
+                for tensor in (selection.index, selection.values, *(t for t in faults if t is not None)):
                     if tensor is None:
                         digest.update(b"-")
                     else:
@@ -187,7 +198,12 @@ class PinPlan:
 
 def _describe(rp: ResolvedPin, selection: Selection) -> str:
     pin = rp.pin
-    target = "current values" if selection.values is None else "explicit values"
+    if selection.kind == "stuck_bits":
+        target = fault_plan.describe_bits(selection.stuck_at_zero, selection.stuck_at_one, selection.parameter.dtype)
+    elif selection.kind == "bounds":
+        target = fault_plan.describe_bounds(selection.low, selection.high)
+    else:
+        target = "current values" if selection.values is None else "explicit values"
     parts = [selection.how, target]
     if pin.start_step or pin.stop_step is not None:
         stop = "end" if pin.stop_step is None else pin.stop_step
@@ -226,7 +242,13 @@ def resolve(
         matched = _match(pin, named, aliases, warn)
         for name in matched:
             selection = _select(pin, name, named[name], files, matched, aliases)
+            user_index = selection.index
+            faults = _fault_targets(pin, selection, files, matched, aliases)
             selection.values = _targets(pin, selection, files, warn, matched, aliases)
+            if faults is not None:
+                if user_index is not None:
+                    faults = fault_plan.sort_like_index(pin, name, user_index, faults, pin.kind.replace("_", " "))
+                _set_faults(selection, pin.kind, faults)
             if selection.index is not None:
                 selection.index = compact_index(selection.index, named[name].numel()).to(named[name].device)
             selections[name] = selection
@@ -480,6 +502,38 @@ def _clip(value: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Fault models (see fault_plan)
+
+
+def _fault_targets(
+    pin: Pin, selection: Selection, files: dict[str, Any], matched: Sequence[str], aliases: Mapping[str, Sequence[str]]
+) -> tuple[Tensor, Tensor] | None:
+    """Stuck-bit masks or bounds of ``selection``, in its (user) order; None for a value pin."""
+    name, parameter, index = selection.name, selection.parameter, selection.index
+    if pin.kind == "stuck_bits":
+        raws = []
+        for field in ("stuck_at_zero", "stuck_at_one"):
+            source = getattr(pin, field)
+            loaded = None if source is None else _load(pin, field, source, files)
+            raws.append(None if source is None else _by_name(pin, field, name, loaded, matched, aliases))
+        from_file = isinstance(pin.stuck_at_zero, (str, Path)) or isinstance(pin.stuck_at_one, (str, Path))
+        return fault_plan.stuck_masks(pin, name, parameter, index, raws[0], raws[1], from_file)
+    if pin.kind == "bounds":
+        low, high = (_by_name(pin, "bounds", name, side, matched, aliases) for side in pin.bounds)
+        return fault_plan.bounds_for(pin, name, parameter, index, low, high)
+    return None
+
+
+def _set_faults(selection: Selection, kind: str, faults: tuple[Tensor, Tensor]) -> None:
+    selection.kind = kind
+    device = selection.parameter.device
+    if kind == "stuck_bits":
+        selection.stuck_at_zero, selection.stuck_at_one = (t.to(device) for t in faults)
+    else:
+        selection.low, selection.high = (t.to(device) for t in faults)
+
+
+# --------------------------------------------------------------------------------------------
 # Target values
 
 
@@ -701,13 +755,17 @@ def _windows_overlap(a: Pin, b: Pin) -> bool:
 
 
 def check_conflicts(pins: Sequence[ResolvedPin]) -> None:
-    """Two pins may not give one element different explicit values at times that can overlap."""
+    """Two pins may not give one element different explicit values at times that can overlap, nor
+    faults that cannot hold together (see :func:`~lightning_pin.core.fault_plan.check_fault_conflict`)."""
     for i, first in enumerate(pins):
         for second in pins[i + 1 :]:
             if not _windows_overlap(first.pin, second.pin):
                 continue
             for name in first.selections.keys() & second.selections.keys():
                 a, b = first.selections[name], second.selections[name]
+                if a.kind != "value" or b.kind != "value":
+                    fault_plan.check_fault_conflict(first.pin, a, second.pin, b, name)
+                    continue
                 if a.values is None or b.values is None:
                     continue  # an explicit value beats value=None: no conflict
                 a_at, b_at = _common(a, b)

@@ -1,0 +1,210 @@
+"""Where pinned elements live in a tensor: flat views, storage positions and shards.
+
+:class:`Target` holds one parameter's pinned elements (full-tensor row-major indices) and a
+per-element payload (targets, stuck-bit masks, bounds); :meth:`Target.part` maps them once onto
+what this process holds of a tensor: a flat view of local storage and the positions in it, the
+local shard of a DTensor (FSDP2) included. Every kernel of the engine and the projections goes
+through it, so each is written once for dense, permuted (channels_last) and sharded tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pin.core.errors import PinError
+
+# torch.distributed.tensor costs seconds to import (it pulls in sympy), and a plain loop never
+# needs it: a tensor can only be a DTensor once that module has been imported by someone else.
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # public from torch 2.4
+
+
+@dataclasses.dataclass
+class Target:
+    """The merged targets of one parameter under one set of active pins.
+
+    Indices and values are in full-tensor coordinates. For a sharded parameter (a DTensor, under
+    FSDP2) :meth:`part` maps them once onto the shard this process holds, so masking and
+    restoring touch local memory only and need no communication.
+    """
+
+    name: str
+    parameter: nn.Parameter
+    #: Sorted flat (row-major) indices, or None for the whole tensor.
+    index: Tensor | None
+    #: One value per index, or of the parameter's shape when ``index`` is None. None when only
+    #: the positions matter (zeroing optimizer state).
+    values: Tensor | None
+    #: Storage-order positions for tensors that are not contiguous (e.g. channels_last), by strides.
+    _by_strides: dict[Any, Tensor] = dataclasses.field(default_factory=dict)
+    #: The pinned elements of each shard layout this process holds.
+    _shards: dict[Any, LocalPart] = dataclasses.field(default_factory=dict)
+
+    def part(self, tensor: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``(view, positions, targets)``: what of ``tensor`` (the parameter, its grad or an
+        optimizer statistic) this process pins.
+
+        For element pins ``view`` is a flat view of the local data and ``positions`` index the
+        pinned elements in it; for a whole tensor ``positions`` is None and ``view`` is the
+        local data itself.
+        """
+        if is_sharded(tensor):
+            key = (tuple(tensor.placements), tuple(tensor.shape))
+            if key not in self._shards:
+                self._shards[key] = local_part(tensor, self.index, self.values, self.name)
+            shard = self._shards[key]
+            data, index, values, cache_key = tensor.to_local(), shard.index, shard.values, key
+        else:
+            data, index, values, cache_key = tensor, self.index, self.values, None
+        if index is None:
+            return data, None, values
+        flat, positions = flat_view(data, index, self._by_strides, cache_key)
+        return flat, positions, values
+
+    def flat(self, tensor: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``(view, positions)`` of :meth:`part`, without the targets."""
+        view, positions, _ = self.part(tensor)
+        return view, positions
+
+    def flat_index_of(self, tensor: Tensor, positions_taken: Tensor) -> Tensor:
+        """Full-tensor row-major indices of the entries ``positions_taken`` of :meth:`part`."""
+        if is_sharded(tensor):
+            shard = self._shards[(tuple(tensor.placements), tuple(tensor.shape))]
+            if shard.global_index is not None:
+                return shard.global_index[positions_taken]
+            coords = torch.stack(torch.unravel_index(positions_taken, shard.shape), dim=1)
+            coords = coords + torch.tensor(shard.offset, device=coords.device)
+            strides = torch.tensor(_row_major_strides(tuple(tensor.shape)), device=coords.device)
+            return (coords * strides).sum(1)
+        return positions_taken if self.index is None else self.index[positions_taken]
+
+
+@dataclasses.dataclass
+class LocalPart:
+    """The pinned elements of a sharded tensor that lie in this process's shard."""
+
+    #: Row-major indices into the local shard, or None when the whole tensor is pinned.
+    index: Tensor | None
+    #: Their targets (local shape for a whole tensor), or None.
+    values: Tensor | None
+    #: Their full-tensor indices (None for a whole tensor).
+    global_index: Tensor | None
+    #: Where the shard starts in the full tensor, and its shape.
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+def is_sharded(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (FSDP2, tensor parallel), without importing DTensor."""
+    for name in _DTENSOR_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and isinstance(tensor, module.DTensor):
+            return True
+    return False
+
+
+def local_part(tensor: Tensor, index: Tensor | None, values: Tensor | None, name: str) -> LocalPart:
+    """Map full-tensor indices and targets onto the shard of ``tensor`` this process holds."""
+    try:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch 2.3
+        from torch.distributed._tensor import Replicate, Shard
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+
+    unsupported = [p for p in tensor.placements if type(p) not in (Shard, Replicate)]
+    if unsupported:
+        raise PinError(
+            f"{name!r} is laid out as {tuple(tensor.placements)}; pins support Shard and Replicate placements "
+            "(FSDP2's fully_shard, data parallel), not {unsupported}"
+        )
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if index is None:
+        local = None if values is None else values[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        return LocalPart(None, None if local is None else local.contiguous(), None, tuple(offset), tuple(shape))
+    coords = torch.stack(torch.unravel_index(index, tuple(tensor.shape)), dim=1)
+    low = torch.tensor(offset, device=coords.device)
+    inside = ((coords >= low) & (coords < low + torch.tensor(shape, device=coords.device))).all(dim=1)
+    local_coords = coords[inside] - low
+    strides = torch.tensor(_row_major_strides(tuple(shape)), device=coords.device)
+    return LocalPart(
+        index=(local_coords * strides).sum(1),
+        values=None if values is None else values[inside],
+        global_index=index[inside],
+        offset=tuple(offset),
+        shape=tuple(shape),
+    )
+
+
+def _row_major_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """The data of ``tensor`` this process holds: a DTensor's local shard, else the tensor."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+
+def flat_view(tensor: Tensor, index: Tensor, cache: dict | None = None, key: Any = None) -> tuple[Tensor, Tensor]:
+    """A 1-D view of ``tensor``'s storage and the storage positions of row-major ``index``.
+
+    Contiguous tensors need no translation. Dense but permuted ones (channels_last weights and
+    their grads) get the positions recomputed once per stride pattern and cached in ``cache``.
+    """
+    if tensor.is_contiguous():
+        return tensor.view(-1), index
+    strides = tensor.stride()
+    positions = None if cache is None else cache.get((key, strides))
+    if positions is None:
+        if not _is_dense(tensor):
+            raise PinError(f"cannot pin elements of a tensor with overlapping or gapped strides {strides}")
+        coords = torch.stack(torch.unravel_index(index, tensor.shape), dim=1)
+        positions = (coords * torch.tensor(strides, device=coords.device)).sum(1)
+        if cache is not None:
+            cache[(key, strides)] = positions
+    return tensor.as_strided((tensor.numel(),), (1,)), positions
+
+
+#: Indices converted to int64 at a time: bounds the transient memory of int32 -> int64 to 8 MiB.
+_CONVERT_CHUNK = 1 << 20
+
+
+def fill_at(flat: Tensor, positions: Tensor, value: float) -> None:
+    """``flat[positions] = value``. Positions are stored as int32 where they fit (half the memory
+    of int64); ``index_fill_`` wants int64, so they are widened a chunk at a time."""
+    if positions.dtype == torch.int64:
+        flat.index_fill_(0, positions, value)
+        return
+    for start in range(0, positions.numel(), _CONVERT_CHUNK):
+        flat.index_fill_(0, positions[start : start + _CONVERT_CHUNK].long(), value)
+
+
+def copy_at(flat: Tensor, positions: Tensor, values: Tensor) -> None:
+    """``flat[positions] = values``, widening int32 positions a chunk at a time (see :func:`fill_at`)."""
+    if positions.dtype == torch.int64:
+        flat.index_copy_(0, positions, values)
+        return
+    for start in range(0, positions.numel(), _CONVERT_CHUNK):
+        stop = start + _CONVERT_CHUNK
+        flat.index_copy_(0, positions[start:stop].long(), values[start:stop])
+
+
+def _is_dense(tensor: Tensor) -> bool:
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda s: s[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
