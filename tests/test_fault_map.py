@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from lightning_pin import Pin, PinError
+from lightning_pin import Pin, PinError, pin
 from lightning_pin.app.pins import fault_map_pins, random_fault_map
 from lightning_pin.core.plan import resolve
 from lightning_pin.faults import bit_faults, cell_faults, load_fault_map, save_fault_map
@@ -168,3 +168,43 @@ def test_load_refuses_malformed_maps(tmp_path, content, match):
 def test_load_names_a_missing_file(tmp_path):
     with pytest.raises(PinError, match="does not exist.*save_fault_map"):
         load_fault_map(tmp_path / "nope.pt")
+
+
+def test_a_measured_map_of_every_kind_is_pinned_and_held_in_training(tmp_path):
+    """A chip's dense map: values, stuck bits (as unsigned int64 patterns) and bounds, held after every step."""
+    module = net()
+    inf = math.inf
+    weight = module[2].weight  # 3 x 16
+    value = torch.full((3, 16), math.nan)
+    value[0, :4] = torch.tensor([0.0, 0.25, -0.5, 1.0])
+    one = torch.zeros(3, 16, dtype=torch.int64)
+    one[1, :3] = 0x80000000  # sign stuck at one: the weight stays negative
+    zero = torch.zeros(3, 16, dtype=torch.int64)
+    zero[1, 3:6] = 0x40000000  # exponent MSB stuck at zero: |w| < 2
+    low, high = torch.full((3, 16), -inf), torch.full((3, 16), inf)
+    low[2, :5], high[2, :5] = 0.0, 0.05  # bounded cells
+    save_file({"2.weight:value": value, "2.weight:stuck_at_one": one, "2.weight:stuck_at_zero": zero,
+               "2.weight:low": low, "2.weight:high": high}, str(tmp_path / "chip.safetensors"))
+    pins = load_fault_map(tmp_path / "chip.safetensors")
+    assert [p.kind for p in pins] == ["value", "stuck_bits", "bounds"] and pins.faulty == {"2.weight": 15}
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.05)
+    with pin(module, optimizer, pins) as handle:
+        for _ in range(3):
+            module(torch.randn(4, 1, 4, 4)).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            w = weight.detach()
+            assert torch.equal(w[0, :4], value[0, :4])
+            words = w.view(torch.int32)
+            assert bool((words[1, :3] < 0).all()) and bool((w[1, 3:6].abs() < 2).all())
+            assert bool(((w[2, :5] >= 0) & (w[2, :5] <= 0.05)).all())
+        handle.verify()
+    # Round trip: what save_fault_map writes from these pins loads as the same faults.
+    again = load_fault_map(save_fault_map(pins, tmp_path / "again.pt"))
+    a, b = resolve(pins, module), resolve(again, module)
+    for x, y in zip(a.pins, b.pins):
+        s, t = x.selections["2.weight"], y.selections["2.weight"]
+        assert s.kind == t.kind and torch.equal(s.index, t.index)
+        for field in ("values", "stuck_at_zero", "stuck_at_one", "low", "high"):
+            u, v = getattr(s, field), getattr(t, field)
+            assert (u is None and v is None) or torch.equal(u, v)

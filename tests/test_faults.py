@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_pin import Pin, PinError, pin
 from lightning_pin.core.plan import resolve
-from lightning_pin.faults import FaultPins, cell_faults
+from lightning_pin.faults import FaultPins, bit_faults, cell_faults
 
 
 class Net(nn.Module):
@@ -246,8 +246,6 @@ def bits_of(mask: torch.Tensor, width: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", list(WORDS), ids=str)
 @pytest.mark.parametrize("which", ["sign", "exponent", "mantissa", None, [0, 3]])
 def test_bit_faults_stick_only_the_chosen_bits_of_the_dtype(dtype, which):
-    from lightning_pin.faults import bit_faults
-
     width, mantissa = WORDS[dtype]
     allowed = {
         "sign": {width - 1},
@@ -271,8 +269,6 @@ def test_bit_faults_stick_only_the_chosen_bits_of_the_dtype(dtype, which):
 
 @pytest.mark.parametrize("rate", [1e-3, 0.05, 0.2])  # sparse (binomial) and dense (per pair) draws
 def test_bit_faults_are_a_bit_error_rate(rate):
-    from lightning_pin.faults import bit_faults
-
     module = nn.Module()
     module.w = nn.Parameter(torch.zeros(20_000))
     (p,) = bit_faults(module, "w", rate=rate, one_fraction=0.25, seed=11)
@@ -292,8 +288,6 @@ def test_bit_faults_are_a_bit_error_rate(rate):
 
 
 def test_bit_faults_are_seeded_by_seed_and_name_only():
-    from lightning_pin.faults import bit_faults
-
     net = nn.Linear(64, 32)
     a = bit_faults(net, "*", rate=0.01, seed=4)
     torch.manual_seed(99)
@@ -308,8 +302,6 @@ def test_bit_faults_are_seeded_by_seed_and_name_only():
 
 
 def test_bit_faults_redraw_patterns_that_would_read_inf_or_nan_and_skip_what_cannot_be_redrawn():
-    from lightning_pin.faults import bit_faults
-
     module = nn.Module()
     module.w = nn.Parameter(torch.zeros(4096))
     # Every exponent bit stuck: at one_fraction 0.5, 1 in 256 elements first draws all of them at one.
@@ -337,8 +329,6 @@ def test_bit_faults_redraw_patterns_that_would_read_inf_or_nan_and_skip_what_can
     seed=st.integers(0, 2**40),
 )
 def test_bit_faults_property(shape, dtype, rate, positions, one_fraction, seed):
-    from lightning_pin.faults import bit_faults
-
     if positions is not None and not isinstance(positions, str) and not positions:
         positions = None
     module = nn.Module()
@@ -368,8 +358,6 @@ def test_bit_faults_property(shape, dtype, rate, positions, one_fraction, seed):
     ],
 )
 def test_bit_faults_refuse_bad_input(kwargs, match):
-    from lightning_pin.faults import bit_faults
-
     module = nn.Module()
     module.w = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
     with pytest.raises(PinError, match=match):
@@ -377,9 +365,69 @@ def test_bit_faults_refuse_bad_input(kwargs, match):
 
 
 def test_bit_faults_refuse_words_without_a_stuck_bit_model():
-    from lightning_pin.faults import bit_faults
-
     module = nn.Module()
     module.w = nn.Parameter(torch.zeros(3, dtype=torch.float8_e4m3fn), requires_grad=False)
     with pytest.raises(PinError, match="'w' is torch.float8_e4m3fn; stuck bits are modelled for torch.float64"):
         bit_faults(module, "w", rate=0.1)
+
+
+def held_bits(p: Pin, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stuck bits as they read in the weights, free bits) of a stuck-bit pin's elements."""
+    words = weights.detach().reshape(-1).view(p.stuck_at_zero.dtype)[flat_index(p, tuple(weights.shape))]
+    stuck = p.stuck_at_zero | p.stuck_at_one
+    return words & stuck, words & ~stuck
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bit_faults_hold_bit_for_bit_while_the_free_bits_train(dtype):
+    torch.manual_seed(0)
+    net = Net().to(dtype)
+    pins = bit_faults(net, "*.weight", rate=0.02, bits=["sign", "exponent", "mantissa"], seed=3)
+    free_before = {p.params: held_bits(p, net.get_parameter(p.params))[1] for p in pins}
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    with pin(net, optimizer, pins) as handle:
+        for _ in range(4):
+            x = torch.randn(8, 1, 8, 8, dtype=dtype)
+            nn.functional.cross_entropy(net(x).float(), torch.randint(0, 10, (8,))).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            for p in pins:
+                stuck, _ = held_bits(p, net.get_parameter(p.params))
+                assert torch.equal(stuck, p.stuck_at_one)  # every stuck bit reads what it is stuck at
+        handle.verify()
+    for p in pins:
+        _, free = held_bits(p, net.get_parameter(p.params))
+        assert not torch.equal(free, free_before[p.params])  # the other bits of the same elements trained
+
+
+def test_bit_and_cell_faults_hold_under_pin_callback():
+    import lightning as L
+
+    from lightning_pin import PinCallback
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    lit = Lit()
+    pins = bit_faults(lit, "net.conv.weight", rate=0.05, seed=1) + cell_faults(lit, "net.fc.weight", rate=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,)))
+    callback = PinCallback(pins, verbose=False, monitor=False)
+    L.Trainer(
+        max_steps=4, callbacks=[callback], enable_progress_bar=False, logger=False, enable_checkpointing=False,
+        enable_model_summary=False,
+    ).fit(lit, torch.utils.data.DataLoader(data, batch_size=8))
+    callback.verify(lit)
+    bits, cells = pins[0], pins[1]
+    stuck, _ = held_bits(bits, lit.net.conv.weight)
+    assert torch.equal(stuck, bits.stuck_at_one)
+    assert torch.equal(lit.net.fc.weight.detach()[tuple(cells.indices.T)], cells.value)
