@@ -185,13 +185,14 @@ def _pins_from_fields(name: str, fields: dict[str, Tensor], where: str) -> tuple
     stuck_value = faulty("value")
     if stuck_value is not None and bool(stuck_value.any()):
         pins.append(Pin(pattern, value=fields["value"][stuck_value], **select(stuck_value)))
-        parts.append(f"{int(stuck_value.sum()):,} stuck values")
+        count = int(stuck_value.sum())
+        parts.append(f"{count:,} stuck value{'s' if count != 1 else ''}")
     zero, one = faulty("stuck_at_zero"), faulty("stuck_at_one")
     bits = zero if one is None else one if zero is None else zero | one
     if bits is not None and bool(bits.any()):
         masks = {f: fields[f][bits] for f in ("stuck_at_zero", "stuck_at_one") if f in fields}
         pins.append(Pin(pattern, **masks, **select(bits)))
-        parts.append(f"{int(bits.sum()):,} with stuck bits")
+        parts.append(f"{int(bits.sum()):,} with stuck bits")  # elements
     low, high = faulty("low"), faulty("high")
     bounded = low if high is None else high if low is None else low | high
     if bounded is not None and bool(bounded.any()):
