@@ -267,14 +267,17 @@ def test_bit_faults_stick_only_the_chosen_bits_of_the_dtype(dtype, which):
     assert pins.faulty == {"weight": index.numel()}
 
 
-@pytest.mark.parametrize("rate", [1e-3, 0.05, 0.2])  # sparse (binomial) and dense (per pair) draws
-def test_bit_faults_are_a_bit_error_rate(rate):
+@pytest.mark.parametrize(
+    ("numel", "rate"),
+    [(20_000, 1e-3), (20_000, 0.2), (40_000, 1e-3), (40_000, 0.05)],  # a draw per pair; a binomial, then pairs
+)
+def test_bit_faults_are_a_bit_error_rate(numel, rate):
     module = nn.Module()
-    module.w = nn.Parameter(torch.zeros(20_000))
+    module.w = nn.Parameter(torch.zeros(numel))
     (p,) = bit_faults(module, "w", rate=rate, one_fraction=0.25, seed=11)
     zero, one = stuck_pairs(p)
     ones, zeros = bits_of(one, 32), bits_of(zero, 32)
-    pairs = 20_000 * 32
+    pairs = numel * 32
     stuck = int(ones.sum() + zeros.sum())
     sigma = (pairs * rate * (1 - rate)) ** 0.5
     assert abs(stuck - pairs * rate) < 5 * sigma
@@ -282,9 +285,27 @@ def test_bit_faults_are_a_bit_error_rate(rate):
     # Uniform over positions and elements: every bit position and both halves of the tensor get their share.
     per_bit = (ones | zeros).sum(dim=0).double()
     assert bool((per_bit - pairs / 32 * rate).abs().lt(5 * (pairs / 32 * rate) ** 0.5 + 3).all())
-    index = flat_index(p, (20_000,))
-    first_half = int((index < 10_000).sum())
+    index = flat_index(p, (numel,))
+    first_half = int((index < numel // 2).sum())
     assert abs(first_half - index.numel() / 2) < 5 * (index.numel() / 4) ** 0.5 + 2
+
+
+@pytest.mark.parametrize("numel", [1_000, 40_000])  # a draw per pair; a binomial, then a stream of pairs
+def test_bit_faults_are_nested_across_rates(numel):
+    """Common random numbers for a rate sweep: a higher rate keeps every stuck bit of a lower one, reading the same."""
+    module = nn.Module()
+    module.w = nn.Parameter(torch.zeros(numel))
+    previous = torch.zeros(0, dtype=torch.int64)
+    for rate in (1e-4, 1e-3, 5e-3, 0.05, 0.3):
+        (p,) = bit_faults(module, "w", rate=rate, seed=6)
+        element = flat_index(p, (numel,))
+        codes = []  # (element * 32 + bit) * 2 + reads-one, per stuck bit
+        for reads_one, mask in enumerate(stuck_pairs(p)):
+            row, bit = bits_of(mask, 32).nonzero().unbind(1)
+            codes.append((element[row] * 32 + bit) * 2 + reads_one)
+        current = torch.cat(codes)
+        assert bool(torch.isin(previous, current).all()) and current.numel() > previous.numel()
+        previous = current
 
 
 def test_bit_faults_are_seeded_by_seed_and_name_only():

@@ -28,10 +28,10 @@ from lightning_pin.faults._common import (
 
 #: Draws of the polarities of an element whose stuck bits would read inf / NaN, before it is skipped.
 REDRAWS = 8
-#: Above this bit error rate every (element, bit) pair gets its own uniform draw; below it the
-#: number of stuck pairs is drawn (binomial) and then that many distinct pairs.
-DENSE_RATE = 1 / 16
-#: Elements per chunk of the dense draw (bounds its memory: 32 bits x 4 bytes x this).
+#: A parameter with at most this many (element, bit) pairs draws one uniform per pair; a larger one
+#: draws how many pairs are stuck (a binomial quantile), then which (a stream of distinct draws).
+DENSE_PAIRS = 1 << 20
+#: Pairs per chunk of the per-pair draw (a fixed schedule: the draws never depend on the rate).
 CHUNK = 1 << 16
 
 BitSpec = Union[None, str, int, Iterable[Union[int, str]]]
@@ -57,10 +57,12 @@ def bit_faults(
     (every exponent bit stuck at one, which lightning-pin refuses) gets its polarities drawn again,
     up to :data:`REDRAWS` times, then is skipped; ``summary``, ``redrawn`` and ``skipped`` say how many.
 
-    Drawing is vectorized: below :data:`DENSE_RATE` the number of stuck pairs is drawn from a
-    binomial, then that many distinct pairs, so a large tensor at a small rate costs about the
-    number of faults, not its size. Seeded with ``seed`` and the parameter's name, on the CPU, in
-    full-parameter coordinates: the same faults on every rank and run.
+    Drawing is vectorized: a parameter of more than :data:`DENSE_PAIRS` pairs draws the number
+    of stuck pairs (a binomial), then that many distinct pairs, so a large tensor at a small rate
+    costs about its number of faults, not its size. Seeded with ``seed`` and the parameter's name,
+    on the CPU, in full-parameter coordinates: the same faults on every rank and run, and nested
+    across rates: with one seed, a higher rate keeps every stuck bit of a lower one (reading the
+    same) and adds more.
 
     Args:
         module: The module to be trained (``trainer.lightning_module``: names must match).
@@ -105,7 +107,8 @@ def bit_faults(
             )
         positions = bit_positions(bits, dtype, name)
         numel = parameter.numel()
-        pairs = _stuck_pairs(numel * len(positions), float(rate), name_seed(f"{name}:bits", int(seed)))
+        seeds = [name_seed(f"{name}:{stream}", int(seed)) for stream in ("bits", "ones", "count")]
+        pairs, one = _stuck_pairs(numel * len(positions), float(rate), float(one_fraction), *seeds)
         if pairs.numel() == 0:
             faulty[name] = 0
             lines.append(f"{name}: no stuck bit ({rate:g} x {numel * len(positions):,} bit positions)")
@@ -114,8 +117,7 @@ def bit_faults(
         bit = torch.tensor(positions, dtype=torch.int64)[pairs % len(positions)]
         value = torch.ones_like(bit).bitwise_left_shift(bit)  # bit 63 wraps to -2**63: still that bit
         cells, owner = torch.unique_consecutive(element, return_inverse=True)  # pairs are sorted
-        polarity = torch.Generator().manual_seed(name_seed(f"{name}:ones", int(seed)))
-        one = torch.rand(pairs.numel(), generator=polarity, dtype=torch.float64) < one_fraction
+        polarity = torch.Generator().manual_seed(name_seed(f"{name}:redraw", int(seed)))
         exponent = _exponent_mask(dtype)
         zero_mask, one_mask = _masks(cells.numel(), owner, value, one)
         refused = (one_mask & exponent) == exponent
@@ -218,41 +220,73 @@ def _masks(count: int, owner: Tensor, value: Tensor, one: Tensor) -> tuple[Tenso
     )
 
 
-def _stuck_pairs(total: int, rate: float, seed: int) -> Tensor:
-    """Sorted ids in ``[0, total)`` of the pairs stuck, each independently with probability ``rate``."""
-    generator = torch.Generator().manual_seed(seed)
+def _stuck_pairs(
+    total: int, rate: float, one_fraction: float, seed: int, ones: int, count: int
+) -> tuple[Tensor, Tensor]:
+    """Sorted ids in ``[0, total)`` of the stuck pairs (each stuck with probability ``rate``), and
+    which of them read one (each with probability ``one_fraction``).
+
+    Nested in ``rate``: every pair carries its own draws whatever the rate (a uniform, or its place
+    in a stream of distinct draws, and a polarity), so with the same seeds a higher rate keeps
+    every stuck bit of a lower one, reading the same, and adds more.
+    """
+    where, polarity = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(ones)
     if rate == 0 or total == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    if rate >= 1:
-        return torch.arange(total)
-    if rate >= DENSE_RATE:
-        chunks = []
-        for start in range(0, total, CHUNK * 32):
-            size = min(CHUNK * 32, total - start)
-            chunks.append((torch.rand(size, generator=generator) < rate).nonzero().squeeze(1) + start)
-        return torch.cat(chunks)
-    # Sparse: as many pairs as a binomial draw says, then a uniform subset of that size, which is
-    # the same distribution as one Bernoulli draw per pair at O(faults) cost.
-    count = int(
-        torch.binomial(
-            torch.tensor([float(total)], dtype=torch.float64),
-            torch.tensor([rate], dtype=torch.float64),
-            generator=generator,
-        ).item()
-    )
-    return _distinct(total, count, generator).sort().values
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)
+    if total <= DENSE_PAIRS:
+        stuck, reads_one = [], []
+        for start in range(0, total, CHUNK):
+            size = min(CHUNK, total - start)
+            hit = (torch.rand(size, generator=where, dtype=torch.float64) < rate).nonzero().squeeze(1)
+            stuck.append(hit + start)
+            reads_one.append(torch.rand(size, generator=polarity, dtype=torch.float64)[hit] < one_fraction)
+        return torch.cat(stuck), torch.cat(reads_one)
+    # As many pairs as a binomial draw says (its quantile at one uniform: more for a higher rate),
+    # then the first that many distinct pairs of a uniform stream: a uniform subset of that size,
+    # which is the distribution of one draw per pair, at O(faults) cost.
+    level = float(torch.rand(1, generator=torch.Generator().manual_seed(count), dtype=torch.float64))
+    wanted = _binomial_quantile(total, rate, level)
+    if wanted == 0:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)
+    streams: list[Tensor] = []
+    polarities: list[Tensor] = []
+    # m draws from `total` give about total * (1 - exp(-m / total)) distinct ones: draw that many
+    # (and a margin) at once, then more only in the rare case that was not enough.
+    needed = -total * math.log1p(-min(wanted / total, 1 - 1e-12)) * 1.02 + 1024
+    while True:
+        while sum(len(x) for x in streams) < needed:
+            size = CHUNK << len(streams)  # a fixed schedule: the stream is the same whatever is wanted
+            streams.append(torch.randint(total, (size,), generator=where))
+            polarities.append(torch.rand(size, generator=polarity, dtype=torch.float64))
+        drawn = torch.cat(streams)
+        unique, inverse = torch.unique(drawn, return_inverse=True)
+        if unique.numel() >= wanted:
+            break
+        needed = drawn.numel() + 1
+    first = torch.full((unique.numel(),), drawn.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(drawn.numel()), reduce="amin")
+    chosen = first.sort().values[:wanted]  # stream positions of the first `wanted` distinct pairs
+    pairs, reads_one = drawn[chosen], torch.cat(polarities)[chosen] < one_fraction
+    order = pairs.argsort()
+    return pairs[order], reads_one[order]
 
 
-def _distinct(total: int, count: int, generator: torch.Generator) -> Tensor:
-    """A uniform random ``count``-subset of ``[0, total)``: the first distinct values of a uniform stream."""
-    draws = torch.zeros(0, dtype=torch.int64)
-    while int(torch.unique(draws).numel()) < count:
-        missing = count - int(torch.unique(draws).numel())
-        draws = torch.cat([draws, torch.randint(total, (missing + missing // 8 + 16,), generator=generator)])
-    unique, inverse = torch.unique(draws, return_inverse=True)
-    first = torch.full((unique.numel(),), draws.numel(), dtype=torch.int64)
-    first.scatter_reduce_(0, inverse, torch.arange(draws.numel()), reduce="amin")
-    return unique[first.argsort()[:count]]
+def _binomial_quantile(n: int, p: float, level: float) -> int:
+    """The smallest k with ``P(Binomial(n, p) <= k) >= level``: increasing in ``p`` for a fixed level.
+
+    The probabilities are summed in float64 over the mean +- 12 standard deviations (the mass
+    outside is below 1e-30).
+    """
+    if p >= 1:
+        return n
+    mean, sd = n * p, math.sqrt(n * p * (1 - p))
+    low, high = max(0, math.floor(mean - 12 * sd) - 16), min(n, math.ceil(mean + 12 * sd) + 16)
+    k = torch.arange(low, high + 1, dtype=torch.float64)
+    log_pmf = math.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1)
+    log_pmf += k * math.log(p) + (n - k) * math.log1p(-p)
+    cdf = log_pmf.exp().cumsum(0)
+    at = int(torch.searchsorted(cdf, torch.tensor([level], dtype=torch.float64)).item())
+    return low + min(at, high - low)
 
 
 def _ranges(positions: Sequence[int]) -> str:
