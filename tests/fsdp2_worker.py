@@ -4,7 +4,7 @@ ModelParallelStrategy launches its ranks by re-running this command, so it is a 
 test module. Each rank writes what it saw to ``OUT_DIR/<mode>-rank<r>.pt``; the test reads them.
 
 Modes:
-- ``train``: element, fraction and whole-tensor pins under AdamW with weight decay and gradient
+- ``train``: element, fraction and whole-tensor pins, stuck bits and bounds, under AdamW with weight decay and gradient
   accumulation; record the full parameters after every optimizer step; save a distributed
   checkpoint at the end.
 - ``resume``: a re-initialised model resumes from that checkpoint and trains on.
@@ -13,6 +13,7 @@ Modes:
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -29,6 +30,11 @@ PINS = [
     Pin("a.weight", indices=[(0, 0), (9, 3), (15, 7)], value=[25.0, 5.0, -0.5]),
     Pin("a.bias", fraction=0.5, seed=3),  # current values
     Pin("b.*"),  # whole tensors, under FSDP2 with zeroed (not dropped) grads
+    # Fault models on shards: stuck bits on rows of both shards, bounds on a whole sharded tensor
+    # and on elements of a bias split 2 + 1.
+    Pin("a.weight", indices=[(2, 1), (10, 5), (14, 0)], stuck_at_zero=0x80000000, stuck_at_one=0x00400000),
+    Pin("c.weight", bounds=(-0.05, 0.05)),
+    Pin("c.bias", indices=[0, 2], bounds=(0.0, math.inf)),
 ]
 
 

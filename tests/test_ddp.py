@@ -18,6 +18,8 @@ from lightning_pin.core.plan import fraction_indices
 
 ENC_COORDS = [(0, 0), (5, 7), (11, 2)]
 ENC_VALUES = [1.5, -2.0, 0.0]
+STUCK_COORDS = [(1, 1), (6, 3), (12, 5)]
+BOUNDED_COORDS = [(2, 2), (7, 4)]
 STEPS = 8  # 64 samples, 32 per rank, batches of 8, two epochs
 
 
@@ -32,6 +34,9 @@ def ddp_pins() -> list[Pin]:
         Pin("head.weight", fraction=0.3, seed=1),  # value=None
         Pin("head.bias"),  # whole-tensor freeze
         Pin("encoder.bias", when=first_label_is_zero),  # per batch, must agree across ranks
+        # Fault models: stuck bits (sign at 0, a mantissa bit at 1) and bounded cells.
+        Pin("encoder.weight", indices=STUCK_COORDS, stuck_at_zero=0x80000000, stuck_at_one=0x00400000),
+        Pin("encoder.weight", indices=BOUNDED_COORDS, bounds=(-0.01, 0.01)),
     ]
 
 
@@ -111,6 +116,20 @@ def test_ddp_pins_exact_on_both_ranks_after_every_step(ddp_run):
         check_pins(data["final"], want, f"on rank {rank} at the end")
         # The free elements trained.
         assert not torch.equal(data["final"]["encoder.weight"], data["init"]["encoder.weight"])
+
+
+def test_ddp_faults_hold_on_both_ranks_after_every_step(ddp_run):
+    stuck, bounded = flat_index((16, 8), STUCK_COORDS), flat_index((16, 8), BOUNDED_COORDS)
+    for rank, data in enumerate(ddp_run[0]):
+        for step, params in [*data["steps"], ("end", data["final"])]:
+            bits = params["encoder.weight"].reshape(-1)[stuck].view(torch.int32)
+            assert torch.equal(bits & -(2**31), torch.zeros_like(bits)), f"sign bit on rank {rank} after step {step}"
+            assert torch.equal(bits & 0x00400000, torch.full_like(bits, 0x00400000)), f"rank {rank}, step {step}"
+            assert bool((params["encoder.weight"].reshape(-1)[bounded].abs() <= 0.01).all()), f"rank {rank}, {step}"
+        # The free bits of the bit-pinned elements trained.
+        final, init = (data[k]["encoder.weight"].reshape(-1)[stuck].view(torch.int32) for k in ("final", "init"))
+        moved = final ^ init
+        assert bool(((moved & ~(-(2**31) | 0x00400000)) != 0).all())
 
 
 def test_ddp_ranks_identical_after_every_step(ddp_run):

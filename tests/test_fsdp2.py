@@ -1,5 +1,5 @@
-"""FSDP2 (ModelParallelStrategy + fully_shard) on 2 CPU processes: pins exact on every rank's
-shards after every step, resume from a distributed checkpoint, mismatched plans refused.
+"""FSDP2 (ModelParallelStrategy + fully_shard) on 2 CPU processes: pins exact (stuck bits and
+bounds held) on every rank's shards after every step, resume from a distributed checkpoint, mismatched plans refused.
 
 The runs live in tests/fsdp2_worker.py: ModelParallelStrategy launches its second rank by
 re-running the command, so each run is a subprocess of its own.
@@ -19,6 +19,15 @@ from lightning_pin.core.plan import fraction_indices
 
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
 ELEMENTS = [((0, 0), 25.0), ((9, 3), 5.0), ((15, 7), -0.5)]
+STUCK_ROWS, STUCK_COLS = torch.tensor([2, 10, 14]), torch.tensor([1, 5, 0])
+
+
+def assert_faults_hold(params: dict, where: str) -> None:
+    bits = params["a.weight"][STUCK_ROWS, STUCK_COLS].contiguous().view(torch.int32)
+    assert torch.equal(bits & -(2**31), torch.zeros_like(bits)), f"a sign bit stuck at 0 reads 1 {where}"
+    assert torch.equal(bits & 0x00400000, torch.full_like(bits, 0x00400000)), f"a stuck mantissa bit {where}"
+    assert bool((params["c.weight"].abs() <= 0.05).all()), f"c.weight out of bounds {where}"
+    assert bool((params["c.bias"][[0, 2]] >= 0).all()), f"c.bias below 0 {where}"
 
 
 def run(out_dir: Path, mode: str) -> list[dict]:
@@ -54,7 +63,12 @@ def test_train_pins_exact_on_every_rank_after_every_step(runs):
             assert torch.equal(params["a.bias"][bias_index], start["a.bias"][bias_index])
             assert torch.equal(params["b.weight"], start["b.weight"])
             assert torch.equal(params["b.bias"], start["b.bias"])
-        # The free elements trained.
+            assert_faults_hold(params, "after a step")
+        # The free elements trained, and so did the free bits of the bit-pinned ones.
+        moved = steps[-1]["a.weight"][STUCK_ROWS, STUCK_COLS].view(torch.int32) ^ start["a.weight"][
+            STUCK_ROWS, STUCK_COLS
+        ].view(torch.int32)
+        assert bool(((moved & ~(-(2**31) | 0x00400000)) != 0).all())
         free = torch.ones(16, dtype=torch.bool)
         free[bias_index] = False
         assert not torch.equal(steps[-1]["a.bias"][free], start["a.bias"][free])
@@ -81,6 +95,7 @@ def test_resume_from_distributed_checkpoint_keeps_targets(runs):
                 assert params["a.weight"][i, j].item() == value
             assert torch.equal(params["a.bias"][bias_index], saved[1]["a.bias"]["target"])
             assert torch.equal(params["b.weight"], before["b.weight"])
+            assert_faults_hold(params, "after a resumed step")
         assert not torch.equal(steps[-1]["c.weight"], before["c.weight"])
 
 

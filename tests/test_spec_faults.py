@@ -119,3 +119,14 @@ def test_overlap_iff_common_bit(zero, one):
             Pin("w", stuck_at_zero=zero, stuck_at_one=one)
     else:
         assert Pin("w", stuck_at_zero=zero, stuck_at_one=one).kind == "stuck_bits"
+
+
+def test_hydra_pin_config_takes_the_fault_fields():
+    from lightning_pin.app.config import PinConfig
+
+    schema = OmegaConf.structured(PinConfig)
+    node = OmegaConf.merge(schema, {"params": "fc.weight", "stuck_at_one": [1, 2], "stuck_at_zero": 4})
+    pin = Pin.from_config(OmegaConf.to_container(node))
+    assert pin.kind == "stuck_bits" and pin.stuck_at_one == [1, 2]
+    bounded = OmegaConf.merge(schema, {"params": "b", "bounds": [0, 1]})
+    assert Pin.from_config(OmegaConf.to_container(bounded)).kind == "bounds"

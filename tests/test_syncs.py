@@ -17,7 +17,8 @@ What is counted: every batch, except
   ``monitor=False`` no batch is excluded for that reason.
 
 So windows that start and stop, ``when`` pins that toggle and re-capture their values
-(``value=None``) at every activation, gradient accumulation and clipping are all counted. The
+(``value=None``) at every activation, gradient accumulation and clipping are all counted, for
+value pins and for the fault projections (stuck bits, bounds). The
 plain-loop front door (``pin()``) is counted the same way, batch by batch.
 """
 
@@ -136,6 +137,18 @@ def _pins():
     ]
 
 
+def _fault_pins():
+    return [
+        # Stuck bits in a window, a whole tensor with stuck bits, toggling bounds, and a value pin.
+        Pin("encoder.weight", fraction=0.3, seed=4, stuck_at_zero=0x80000000, stuck_at_one=0x00400000,
+            start_step=2, stop_step=12),
+        Pin("encoder.bias", stuck_at_one=0x00000001),
+        Pin("head.weight", bounds=(-0.05, 0.05), when=_toggling),
+        Pin("head.weight", fraction=0.2, seed=5, bounds=(-0.02, 0.02), start_step=4),  # intersects the above
+        Pin("head.bias", value=0.0),
+    ]
+
+
 OPTIMIZERS = {
     "adamw-forloop": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=False),
     "adam-foreach": lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=True),
@@ -143,11 +156,13 @@ OPTIMIZERS = {
 }
 
 
-def _count(optimizer, pins: bool, monitor: bool, tmp_path) -> tuple[SyncCounter, BatchStart, BatchEnd]:
+def _count(
+    optimizer, pins: bool, monitor: bool, tmp_path, make_pins=_pins
+) -> tuple[SyncCounter, BatchStart, BatchEnd]:
     torch.manual_seed(0)
     model = TinyNet(OPTIMIZERS[optimizer])
     counter = SyncCounter()
-    callback = PinCallback(_pins(), verbose=False, monitor=monitor) if pins else None
+    callback = PinCallback(make_pins(), verbose=False, monitor=monitor) if pins else None
     start, end = BatchStart(counter, callback), BatchEnd(counter, callback)
     callbacks = [start, *([callback] if callback else []), end]
     kwargs = dict(default_root_dir=tmp_path, log_every_n_steps=5)
@@ -161,11 +176,16 @@ def _count(optimizer, pins: bool, monitor: bool, tmp_path) -> tuple[SyncCounter,
     return counter, start, end
 
 
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize(
+    ("optimizer", "make_pins"),
+    [*((name, _pins) for name in OPTIMIZERS), ("adamw-forloop", _fault_pins), ("sgd_momentum-foreach", _fault_pins)],
+    ids=[*(f"{name}-values" for name in OPTIMIZERS), "adamw-forloop-faults", "sgd_momentum-foreach-faults"],
+)
 @pytest.mark.parametrize("monitor", [False, True], ids=["no_monitor", "default_monitor"])
-def test_pinning_adds_no_sync_in_steady_state_steps(optimizer, monitor, tmp_path):
+def test_pinning_adds_no_sync_in_steady_state_steps(optimizer, make_pins, monitor, tmp_path):
+    """Value pins, and the fault projections (stuck bits, bounds) with their drift measurement."""
     plain, plain_start, _ = _count(optimizer, pins=False, monitor=False, tmp_path=tmp_path / "plain")
-    pinned, start, end = _count(optimizer, pins=True, monitor=monitor, tmp_path=tmp_path / "pinned")
+    pinned, start, end = _count(optimizer, True, monitor, tmp_path / "pinned", make_pins=make_pins)
     assert plain_start.global_steps == start.global_steps and len(start.global_steps) == 48
     seen: set[frozenset[int]] = set()
     counted, toggles, previous = 0, 0, None
@@ -262,7 +282,8 @@ def test_toggling_when_pin_merges_recaptured_targets_without_a_sync():
 
 
 @pytest.mark.parametrize("optimizer", ["adamw-forloop", "adam-foreach"])
-def test_front_door_adds_no_sync_in_steady_state_steps(optimizer):
+@pytest.mark.parametrize("make_pins", [_pins, _fault_pins], ids=["values", "faults"])
+def test_front_door_adds_no_sync_in_steady_state_steps(optimizer, make_pins):
     """The same count for a plain loop under ``pin()``: accumulation over 2 batches, clipping,
     windows that start and stop, and `when` pins that toggle and re-capture (``batch_start``)."""
     from lightning_pin import pin
@@ -272,7 +293,7 @@ def test_front_door_adds_no_sync_in_steady_state_steps(optimizer):
         model = TinyNet(OPTIMIZERS[optimizer])
         opt = model.configure_optimizers()
         counter, active = SyncCounter(), {}  # batch -> active pins at its start and at its end
-        handle = pin(model, opt, _pins()) if pinned else None
+        handle = pin(model, opt, make_pins()) if pinned else None
         with counter:
             for batch_idx, (x, y) in enumerate(make_loader(n=192, batch_size=4)):
                 counter.batch = batch_idx

@@ -203,6 +203,9 @@ class PinConfig:
     start_step: int = 0
     stop_step: Optional[int] = None
     when: Optional[str] = None
+    stuck_at_zero: Any = None
+    stuck_at_one: Any = None
+    bounds: Any = None
 
 
 @dataclass

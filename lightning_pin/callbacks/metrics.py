@@ -26,6 +26,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_pin.core.engine import StepStats, Target
+from lightning_pin.core.projections import ExactValue, Projection
 from lightning_pin.core.plan import PinPlan
 
 
@@ -104,18 +105,19 @@ class PinViolations(Metric):
 
 
 @torch.no_grad()
-def count_off_target(targets: Iterable[Target]) -> Tensor:
-    """How many pinned elements of ``targets`` differ from their target now, as a 0-d device tensor.
+def count_off_target(targets: Iterable[Target | Projection]) -> Tensor:
+    """How many pinned elements break their pin now, as a 0-d device tensor.
 
-    Compares with ``!=`` (bit exact, as :meth:`PinCallback.verify <lightning_pin.PinCallback.verify>`
-    does) and never syncs with the host.
+    ``targets`` are projections (:meth:`PinEngine.projections
+    <lightning_pin.core.engine.PinEngine.projections>`: values compared with ``!=``, bit exact as
+    :meth:`PinCallback.verify <lightning_pin.PinCallback.verify>` does; stuck bits by bit pattern;
+    bounds by value) or value targets. Never syncs with the host.
     """
     counts = []
     for target in targets:
-        # part(): the pinned elements this process holds (all of them unless the parameter is sharded).
-        view, positions, values = target.part(target.parameter.detach())
-        actual = view if positions is None else view.index_select(0, positions)
-        counts.append((actual != values).sum())
+        projection = target if isinstance(target, Projection) else ExactValue(target)
+        # The pinned elements this process holds (all of them unless the parameter is sharded).
+        counts.append(projection.off(projection.target.parameter.detach())[1].sum())
     if not counts:
         return torch.zeros((), dtype=torch.long)
     device = counts[0].device

@@ -284,7 +284,7 @@ class PinMonitor:
             # Active pins are all on target here unless something wrote to them since the last
             # restore (another callback, user code). Counted once per step, not per micro-batch.
             self._counted_step = step
-            self._violations.update(count_off_target(engine.targets()))
+            self._violations.update(count_off_target(engine.projections()))
 
     def _wants_stats(self) -> bool:
         return self._measuring and self.drift

@@ -353,3 +353,23 @@ def describe_bounds(low: Tensor, high: Tensor) -> str:
     if bool((low == lo).all()) and bool((high == hi).all()):
         return f"bounds [{lo:g}, {hi:g}]"
     return f"bounds per element within [{lo:g}, {hi:g}]"
+
+
+def check_fits(pin: Pin, name: str, selection: Any, dtype: torch.dtype) -> None:
+    """Check that the stuck bits or bounds of ``selection`` (resolved on its parameter's dtype)
+    still hold for ``dtype``, the dtype a trainer is about to cast the parameter to ("16-true").
+
+    Raises:
+        PinError: with the message resolving on a cast module would give.
+    """
+    shell = torch.empty(selection.parameter.shape, dtype=dtype, device="meta")  # a dtype and a shape
+    index = None if selection.index is None else selection.index.cpu()
+    if selection.kind == "stuck_bits":
+        width = torch.iinfo(selection.stuck_at_zero.dtype).bits
+        # The resolved masks as unsigned patterns (int64): what the user gave, for another width.
+        zero, one = (m.detach().cpu().to(torch.int64) & ((1 << width) - 1) if width < 64 else m.detach().cpu()
+                     for m in (selection.stuck_at_zero, selection.stuck_at_one))
+        stuck_masks(pin, name, shell, index, zero, one, from_file=False)
+    elif selection.kind == "bounds":
+        low, high = (t.detach().cpu().to(torch.float64) for t in (selection.low, selection.high))
+        bounds_for(pin, name, shell, index, low, high)

@@ -624,14 +624,16 @@ def _numbers_tensor(pin: Pin, name: str, raw: Any, warn: Callable[[str], Any]) -
 
 
 def check_targets_fit(plan: PinPlan, dtype: torch.dtype) -> None:
-    """Check that every explicit target of a floating parameter survives a cast to ``dtype``, for a
-    trainer that is about to cast the parameters (Lightning's ``precision="16-true"``).
+    """Check that every explicit target, stuck-bit mask and bound of a floating parameter survives a
+    cast to ``dtype``, for a trainer that is about to cast the parameters (``precision="16-true"``).
 
     Raises:
         PinError: a target overflows ``dtype`` (the same message as resolving on a cast module).
     """
     for rp in plan.pins:
         for name, selection in rp.selections.items():
+            if selection.kind != "value" and selection.parameter.is_floating_point():
+                fault_plan.check_fits(rp.pin, name, selection, dtype)
             if selection.values is not None and selection.parameter.is_floating_point():
                 cast = torch.empty(0, dtype=dtype, device=selection.values.device)
                 _to_dtype(rp.pin, name, selection.values, cast, lambda message: None)

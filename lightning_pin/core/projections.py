@@ -124,6 +124,17 @@ class StuckBits(Projection):
 
     The payload holds ``keep = ~stuck_at_zero`` and ``set = stuck_at_one`` per element (last
     dimension 2), in the signed integer type of the parameter's width.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_pin.core.sharding import Target
+        >>> weight = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+        >>> keep, set_ = ~torch.tensor(-2**31, dtype=torch.int32), torch.tensor(0, dtype=torch.int32)
+        >>> sign_at_zero = StuckBits(Target("w", weight, torch.tensor([1]), torch.stack([keep, set_]).reshape(1, 2)))
+        >>> sign_at_zero.apply(weight.data)      # the sign bit of element 1 is stuck at 0
+        >>> weight.data
+        tensor([1., 2., 3.])
     """
 
     kind = "stuck_bits"
@@ -179,7 +190,17 @@ class StuckBits(Projection):
 
 
 class Interval(Projection):
-    """Clamp into ``[low, high]`` (payload: ``low`` and ``high`` per element, last dimension 2)."""
+    """Clamp into ``[low, high]`` (payload: ``low`` and ``high`` per element, last dimension 2).
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_pin.core.sharding import Target
+        >>> weight = torch.nn.Parameter(torch.tensor([-1.0, 0.25, 3.0]))
+        >>> Interval(Target("w", weight, None, torch.tensor([[0.0, 1.0]]).expand(3, 2))).apply(weight.data)
+        >>> weight.data
+        tensor([0.0000, 0.2500, 1.0000])
+    """
 
     kind = "bounds"
 
