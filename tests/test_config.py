@@ -188,6 +188,26 @@ def test_fault_groups_draw_what_the_generators_draw_with_rate_and_seed_overrides
         build_pins(compose_train(tmp_path, "pin=bit_faults", "pin.bits=40").pin, model)
 
 
+def test_fault_map_group_reads_stuck_bits_and_bounds(tmp_path):
+    from lightning_pin.faults import bit_faults, save_fault_map
+
+    model = build_model(compose_train(tmp_path))
+    drawn = bit_faults(model, "backbone.features.0.weight", rate=0.05, seed=1)
+    drawn.append(Pin("backbone.head.bias", indices=[1, 4], bounds=(0.0, 0.5)))
+    save_fault_map(drawn, tmp_path / "chip.safetensors")
+    cfg = compose_train(tmp_path, "pin=fault_map", f"pin.fault_map={tmp_path / 'chip.safetensors'}")
+    pins = build_pins(cfg.pin, model)
+    assert [(p.params, p.kind) for p in pins] == [("backbone.features.0.weight", "stuck_bits"),
+                                                  ("backbone.head.bias", "bounds")]  # fmt: skip
+    before, after = resolve(drawn, model), resolve(pins, model)
+    for a, b in zip(before.pins, after.pins):
+        (s,), (t,) = a.selections.values(), b.selections.values()
+        assert torch.equal(s.index, t.index)
+        for field in ("stuck_at_zero", "stuck_at_one", "low", "high"):
+            assert (getattr(s, field) is None) == (getattr(t, field) is None)
+            assert getattr(s, field) is None or torch.equal(getattr(s, field), getattr(t, field))
+
+
 @pytest.mark.parametrize("option", options("experiment"))
 def test_experiment_pins_resolve_on_their_model(tmp_path, option):
     cfg = compose_train(tmp_path, f"experiment={option}")
