@@ -122,8 +122,8 @@ def test_save_merges_pins_on_one_parameter(tmp_path):
     [
         ([Pin("*.weight", indices=[[0]], value=1.0)], "must name one parameter exactly"),
         ([Pin(["a", "b"], indices=[[0]], value=1.0)], "must name one parameter exactly"),
-        ([Pin("w", fraction=0.5, value=1.0)], "fraction, when, start_step and stop_step cannot be saved"),
-        ([Pin("w", indices=[[0]], value=1.0, start_step=3)], "cannot be saved"),
+        ([Pin("w", fraction=0.5, value=1.0)], "fraction needs a module to resolve"),
+        ([Pin("w", indices=[[0]], value=1.0, start_step=3)], "when, start_step and stop_step cannot be saved"),
         ([Pin("w", indices=[[0]])], "has no value"),
         ([Pin("w", value=1.0)], "selects a whole tensor whose shape it does not tell"),
         ([Pin("w", indices=[[0]], value="values.pt")], "value must be given in memory"),
@@ -140,6 +140,34 @@ def test_save_refuses_what_a_fault_map_cannot_hold(tmp_path, pins, match):
     with pytest.raises(PinError, match=match):
         save_fault_map(pins, tmp_path / "m.pt")
     assert not (tmp_path / "m.pt").exists()
+
+
+def test_save_resolves_any_pin_on_a_module(tmp_path):
+    module = net()
+    pins = [
+        Pin("2.*", fraction=0.25, seed=1, value=0.5),            # a glob and a fraction: resolved on the module
+        Pin("0.bias"),                                          # value=None: stuck at what it holds now
+        Pin("0.weight", indices=[(0, 0, 1, 1)], stuck_at_one=0x80000000),
+        Pin("0.weight", indices=[(1, 0, 0, 0), (2, 0, 2, 2)], bounds=(-0.1, 0.1)),
+    ]
+    loaded = load_fault_map(save_fault_map(pins, tmp_path / "m.pt", module=module))
+    before, after = resolve(pins, module), resolve(loaded, module)
+    held = {}
+    for rp in after.pins:
+        for name, s in rp.selections.items():
+            held[name, s.kind] = s
+    for rp in before.pins:
+        for name, s in rp.selections.items():
+            t = held[name, s.kind]
+            assert torch.equal(s.index.long() if s.index is not None else torch.arange(s.parameter.numel()),
+                               t.index.long())  # fmt: skip
+            if s.kind == "value":
+                expected = s.values if s.values is not None else module.get_parameter(name).detach()
+                assert torch.equal(t.values.reshape(-1), expected.reshape(-1))
+            for field in ("stuck_at_zero", "stuck_at_one", "low", "high"):
+                assert getattr(s, field) is None or torch.equal(getattr(s, field), getattr(t, field))
+    with pytest.raises(PinError, match="when, start_step and stop_step cannot be saved"):
+        save_fault_map([Pin("0.bias", stop_step=4)], tmp_path / "m.pt", module=module)
 
 
 def test_save_refuses_other_suffixes(tmp_path):

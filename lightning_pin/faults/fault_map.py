@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TensorFileError, load_tensors
+from lightning_pin.core.plan import resolve
 from lightning_pin.core.spec import Pin
-from lightning_pin.faults._common import FaultPins, exact_name, exact_pattern, finish
+from lightning_pin.faults._common import FaultPins, coordinates, exact_name, exact_pattern, finish
 
 
 #: What a fault-map key after ``<parameter name>:`` may say, and what marks a healthy element there.
@@ -26,12 +27,15 @@ INDICES = "indices"
 PathLike = Union[str, Path]
 
 
-def save_fault_map(pins: Iterable[Pin], path: PathLike) -> Path:
+def save_fault_map(pins: Iterable[Pin], path: PathLike, *, module: Optional[nn.Module] = None) -> Path:
     """Write ``pins`` (stuck values, stuck bits, bounds) to a fault-map file that :func:`load_fault_map` reads.
 
-    The pins must name their elements without a module: one parameter name each (as the
-    generators of this module return them) and ``indices`` or a ``mask`` (or no selection with
-    tensors of the parameter's shape), active at every step, with explicit values. Pins on the
+    Without ``module`` the pins must name their elements by themselves: one parameter name each
+    (as the generators of this module return them) and ``indices`` or a ``mask`` (or no selection
+    with tensors of the parameter's shape), with explicit values. With ``module`` any pin is
+    resolved on it first (globs, ``fraction``, whole tensors; ``value=None`` saves what the
+    elements hold now). Either way a fault map holds faults present at every step: ``when`` and
+    step windows cannot be saved in one. Pins on the
     same parameter are merged: stuck bits are OR-ed, bounds intersected; two different values for
     one element are an error. The file is a flat dict of tensors (``.pt`` / ``.pth`` via
     ``torch.save``, or ``.safetensors``), per parameter ``name:indices`` (``k x ndim`` int64
@@ -56,16 +60,17 @@ def save_fault_map(pins: Iterable[Pin], path: PathLike) -> Path:
         The path written.
 
     Raises:
-        PinError: a pin a fault map cannot hold (a glob, ``fraction``, ``when``, a step window,
-            ``value=None``, values given as file paths, a scalar for a whole tensor of unknown
-            shape), conflicting values, a bit stuck both ways, empty bounds, or an unknown suffix.
+        PinError: a pin a fault map cannot hold (``when``, a step window; without ``module`` also a
+            glob, ``fraction``, ``value=None``, values given as file paths, a scalar for a whole
+            tensor of unknown shape), a pin ``module`` refuses, conflicting values, a bit stuck
+            both ways, empty bounds, or an unknown suffix.
     """
     path = Path(path).expanduser()
     if path.suffix not in (".pt", ".pth", ".safetensors"):
         raise PinError(f"save_fault_map: {path} must end in .pt, .pth or .safetensors")
     entries: dict[str, list[tuple[Tensor, dict[str, Tensor]]]] = {}
-    for pin in pins:
-        name, coords, fields = _fault_entry(pin)
+    found = _resolved_entries(list(pins), module) if module is not None else map(_fault_entry, pins)
+    for name, coords, fields in found:
         entries.setdefault(name, []).append((coords, fields))
     if not entries:
         raise PinError("save_fault_map: no pins to save")
@@ -209,6 +214,48 @@ def _pins_from_fields(name: str, fields: dict[str, Tensor], where: str) -> tuple
     return pins, f"{name}: {', '.join(parts) if parts else 'no fault'}", count
 
 
+def _resolved_entries(pins: list[Pin], module: nn.Module) -> list[tuple[str, Tensor, dict[str, Tensor]]]:
+    """Per pin and parameter it selects on ``module``: the name, coordinates and per-element fields."""
+    for pin in pins:
+        _static(pin)
+    found = []
+    for rp in resolve(pins, module).pins:
+        for name, selection in rp.selections.items():
+            parameter = selection.parameter.detach()
+            flat = torch.arange(parameter.numel()) if selection.index is None else selection.index.cpu().long()
+            coords = coordinates(flat, tuple(parameter.shape))
+
+            def per_element(tensor: Tensor) -> Tensor:
+                return tensor.detach().cpu().reshape(-1)  # one per element of `flat`, in its order
+
+            if selection.kind == "stuck_bits":
+                fields = {f: _unsigned(per_element(getattr(selection, f))) for f in ("stuck_at_zero", "stuck_at_one")}
+            elif selection.kind == "bounds":
+                fields = {f: per_element(getattr(selection, f)).to(torch.float64) for f in ("low", "high")}
+            else:
+                values = selection.values
+                if values is None:  # value=None: the elements are stuck at what they hold now
+                    values = parameter.reshape(-1)[flat.to(parameter.device)]
+                fields = {"value": per_element(values)}
+            found.append((name, coords, fields))
+    return found
+
+
+def _unsigned(mask: Tensor) -> Tensor:
+    """Bit masks as int64 patterns: the signed view of a 16- / 32-bit word as the unsigned pattern it stands for."""
+    if mask.dtype in (torch.int16, torch.int32):
+        return mask.to(torch.int64) & ((1 << (8 * mask.element_size())) - 1)
+    return mask.to(torch.int64)
+
+
+def _static(pin: Pin) -> None:
+    if pin.when is not None or pin.start_step or pin.stop_step is not None:
+        raise PinError(
+            f"save_fault_map: {pin!r}: a fault map holds faults present at every step; when, start_step and "
+            "stop_step cannot be saved in one"
+        )
+
+
 def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor]]:
     """The parameter a pin names, its elements' coordinates and its per-element fields."""
     if not isinstance(pin, Pin):
@@ -217,12 +264,12 @@ def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor]]:
     if name is None:
         raise PinError(
             f"save_fault_map: {pin!r} must name one parameter exactly (a fault map is keyed by name); a glob, regex "
-            "or list of names needs a module to resolve: draw the faults with cell_faults / bit_faults"
+            "or list of names needs a module to resolve: save_fault_map(pins, path, module=model)"
         )
-    if pin.fraction is not None or pin.when is not None or pin.start_step or pin.stop_step is not None:
+    _static(pin)
+    if pin.fraction is not None:
         raise PinError(
-            f"save_fault_map: {pin!r}: a fault map holds faults present at every step, selected by indices or a mask; "
-            "fraction, when, start_step and stop_step cannot be saved in one"
+            f"save_fault_map: {pin!r}: fraction needs a module to resolve: save_fault_map(pins, path, module=model)"
         )
     for field in ("indices", "mask", "value", "stuck_at_zero", "stuck_at_one", "bounds"):
         if isinstance(getattr(pin, field), (str, Path, Mapping)):
@@ -230,7 +277,8 @@ def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor]]:
     kind = pin.kind
     if kind == "value" and pin.value is None:
         raise PinError(
-            f"save_fault_map: {pin!r} has no value (value=None keeps what the weights hold when it activates)"
+            f"save_fault_map: {pin!r} has no value (value=None keeps what the weights hold when it activates): "
+            "save_fault_map(pins, path, module=model) saves what they hold now"
         )
     given = {
         "value": {"value": pin.value},
@@ -273,11 +321,8 @@ def _per_element(pin: Pin, field: str, raw: Any, coords: Tensor, full: Optional[
             tensor = torch.tensor(raw, dtype=torch.int64)
     except (TypeError, ValueError, RuntimeError, OverflowError) as err:
         raise PinError(f"save_fault_map: {pin!r}: {field} is not numbers: {err}") from err
-    if bits and tensor.dtype in (torch.int16, torch.int32):
-        # The signed view of a 16- / 32-bit word: saved as the unsigned pattern it stands for.
-        tensor = tensor.to(torch.int64) & ((1 << (8 * tensor.element_size())) - 1)
-    elif bits:
-        tensor = tensor.to(torch.int64)
+    if bits:
+        tensor = _unsigned(tensor)
     elif not tensor.is_floating_point():
         tensor = tensor.to(torch.float64)
     count = coords.shape[0]
