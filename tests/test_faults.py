@@ -210,6 +210,15 @@ def test_cell_faults_property(shape, rate, sa1, seed):
         resolve(pins, module)  # an ordinary pin that resolves on the module it was drawn for
 
 
+def test_fault_pins_travel_to_spawned_processes_with_their_summary():
+    import pickle
+
+    pins = bit_faults(Net(), "*.weight", rate=0.01, seed=2)
+    again = pickle.loads(pickle.dumps(pins))  # ddp_spawn pickles the callback and its pins
+    assert type(again) is FaultPins and again.summary == pins.summary and again.faulty == pins.faulty
+    assert [p.fingerprint() for p in again] == [p.fingerprint() for p in pins]
+
+
 def test_generators_draw_the_same_faults_in_a_fresh_process(tmp_path):
     code = (
         "import torch; from torch import nn; from lightning_pin.faults import cell_faults\n"
