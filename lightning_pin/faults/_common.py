@@ -44,10 +44,6 @@ class FaultPins(list):
         self.redrawn = redrawn
         self.skipped = skipped
 
-    def __reduce__(self) -> Any:
-        # Travels to spawned processes (ddp_spawn pickles the callback and what it holds).
-        return type(self), (list(self), self.summary, self.faulty, self.redrawn, self.skipped)
-
 
 def finish(
     pins: list[Pin], title: str, lines: list[str], faulty: dict[str, int], redrawn: int = 0, skipped: int = 0
