@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch import nn
 
@@ -236,3 +238,45 @@ def test_a_measured_map_of_every_kind_is_pinned_and_held_in_training(tmp_path):
         for field in ("values", "stuck_at_zero", "stuck_at_one", "low", "high"):
             u, v = getattr(s, field), getattr(t, field)
             assert (u is None and v is None) or torch.equal(u, v)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    kinds=st.lists(st.sampled_from(["healthy", "value", "bits", "bounds"]), min_size=1, max_size=216),
+    seed=st.integers(0, 1000),
+)
+def test_dense_maps_round_trip_through_save_and_load(tmp_path_factory, shape, dtype, kinds, seed):
+    """A dense measured map -> pins -> save_fault_map (by coordinates) -> the same resolved faults."""
+    module = nn.Module()
+    module.w = nn.Parameter(torch.zeros(shape, dtype=dtype))
+    numel = module.w.numel()
+    kind = torch.tensor([["healthy", "value", "bits", "bounds"].index(k) for k in (kinds * numel)[:numel]])
+    g = torch.Generator().manual_seed(seed)
+    width = 8 * module.w.element_size()
+    value = torch.where(kind == 1, torch.randn(numel, generator=g).to(dtype).float(), torch.nan)
+    one = torch.where(kind == 2, 1 << (width - 1), 0)  # the sign bit
+    zero = torch.where(kind == 2, torch.randint(1, 1 << (width - 2), (numel,), generator=g), 0)  # never the sign
+    low = torch.where(kind == 3, -torch.rand(numel, generator=g), -math.inf)
+    high = torch.where(kind == 3, torch.rand(numel, generator=g), math.inf)
+    folder = tmp_path_factory.mktemp("map")
+    torch.save({"w:value": value.reshape(shape), "w:stuck_at_zero": zero.reshape(shape),
+                "w:stuck_at_one": one.reshape(shape), "w:low": low.reshape(shape), "w:high": high.reshape(shape)},
+               folder / "dense.pt")  # fmt: skip
+    if not bool((kind > 0).any()):
+        with pytest.raises(PinError, match="marks no faulty cell"):
+            load_fault_map(folder / "dense.pt")
+        return
+    dense = load_fault_map(folder / "dense.pt")
+    sparse = load_fault_map(save_fault_map(dense, folder / "sparse.safetensors"))
+    assert dense.faulty == sparse.faulty == {"w": int((kind > 0).sum())}
+    a, b = resolve(dense, module), resolve(sparse, module)
+    assert [rp.pin.kind for rp in a.pins] == [rp.pin.kind for rp in b.pins]
+    for x, y in zip(a.pins, b.pins):
+        s, t = x.selections["w"], y.selections["w"]
+        assert torch.equal(s.index, t.index)
+        assert torch.equal(s.index.long(), (kind == {"value": 1, "stuck_bits": 2, "bounds": 3}[s.kind]).nonzero()[:, 0])
+        for field in ("values", "stuck_at_zero", "stuck_at_one", "low", "high"):
+            assert (getattr(s, field) is None) == (getattr(t, field) is None)
+            assert getattr(s, field) is None or torch.equal(getattr(s, field), getattr(t, field))
