@@ -311,6 +311,20 @@ def ours(
     return setup
 
 
+def faults(fraction: float, kind: str) -> Callable[[MLP], list[L.Callback]]:
+    """Fault-model pins on every weight matrix: stuck bits (the sign at 0, a mantissa bit at 1) or
+    bounds; their gradients and optimizer statistics train (no masking, no parking)."""
+
+    def setup(model: MLP) -> list[L.Callback]:
+        if kind == "stuck bits":
+            pin_ = Pin(weight_names(model), fraction=fraction, stuck_at_zero=0x80000000, stuck_at_one=0x00010000)
+        else:
+            pin_ = Pin(weight_names(model), fraction=fraction, bounds=(-0.01, 0.01))
+        return [PinCallback([pin_], verbose=False)]
+
+    return setup
+
+
 def frozen_halves(model: MLP) -> list[L.Callback]:
     """Whole-tensor freezes: the first half of the layers, weights and biases."""
     half = len(model.layers) // 2
@@ -538,6 +552,8 @@ def main() -> None:
         Case("dense mask 1%", lambda model: [DenseMaskPins(model, 0.01)]),
         Case("dense mask 50%", lambda model: [DenseMaskPins(model, 0.5)]),
         Case("reset every 100 1%", lambda model: [ResetEveryN(model, 0.01, 100)]),
+        # Fault models (stuck bits, bounded cells) against value pins at the same fractions.
+        *(Case(f"{kind} {f:.0%}", faults(f, kind)) for kind in ("stuck bits", "bounds") for f in (0.01, 0.2)),
     ]
     measured = compare_rounds(width, cases, rounds, steps, warmup)
     goals = {"pinned 1%": 1.01, "pinned 20%": 1.05, "pinned 50%": 1.08, "pinned 80%": 1.10, "frozen halves": 1.00}

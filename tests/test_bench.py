@@ -24,6 +24,7 @@ def test_quick_benchmark_reports_every_section(tmp_path):
     assert {
         "pinned 1%", "pinned 20%", "pinned 50%", "pinned 80%", "pinned 50%, statistics at zero (before)",
         "frozen halves", "prune 1%", "prune 20%", "ours to zero 20%", "dense mask 1%",
+        "stuck bits 1%", "stuck bits 20%", "bounds 1%", "bounds 20%",
     } <= set(ratios)
     assert all(r > 0 for r in ratios.values())
     # Every round's ratio is reported, not only the median.

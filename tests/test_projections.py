@@ -470,3 +470,24 @@ def test_interval_kernel_matches_the_reference(values, low, width):
     projection.apply(tensor)
     assert torch.equal(tensor, torch.clamp(param.detach(), min=low, max=high.item()))
     assert not bool(projection.off(tensor)[1].any())
+
+
+def test_a_stuck_bit_window_holds_only_inside_it():
+    """start_step / stop_step: forced right after step start-1, held to stop-1, then the bits train."""
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    sign = signed(SIGN[torch.float32], torch.float32)
+    pins = [Pin("enc.weight", stuck_at_zero=0x80000000, start_step=2, stop_step=5)]
+    negative = []
+    with pin(net, opt, pins) as handle:
+
+        def record(step):
+            bits = net.enc.weight.detach().view(torch.int32)
+            negative.append(int(((bits & sign) != 0).sum()))
+            if 1 <= step <= 3:  # after step 1 the pin is active for steps 2, 3 and 4
+                assert negative[-1] == 0, f"a sign bit reads 1 after step {step}"
+
+        assert int((net.enc.weight < 0).sum()) > 0  # not active yet: the weights keep their signs
+        train(net, opt, 8, record, accumulate=1)
+        assert handle.engine.active == frozenset()
+    assert negative[0] > 0 and negative[-1] > 0  # free before and after the window

@@ -608,20 +608,13 @@ class PinEngine:
                     f"{target.parameter.dtype}; verify a copy in the parameter's dtype"
                 )
             tensor = tensor.detach()
-            actual, off = projection.off(tensor)
+            actual, off, expected = projection.off(tensor)
             if bool(off.any()):
                 where = off.nonzero().squeeze(1)[:examples]
                 # Coordinates from the row-major full-tensor index, not from storage positions.
                 flat_at = target.flat_index_of(tensor, where)
                 coords = torch.stack(torch.unravel_index(flat_at, tuple(tensor.shape)), dim=1).tolist()
-                if isinstance(projection, ExactValue):
-                    shown = [
-                        (tuple(c), actual[w].item(), projection.target_at(w)) for c, w in zip(coords, where.tolist())
-                    ]
-                else:
-                    shown = [
-                        (tuple(c), actual[w].item(), projection.expected(w)) for c, w in zip(coords, where.tolist())
-                    ]
+                shown = [(tuple(c), actual[w].item(), expected(w)) for c, w in zip(coords, where.tolist())]
                 found.append(Violation(target.name, int(off.sum()), shown, projection.kind))
         return found
 

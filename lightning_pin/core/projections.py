@@ -12,15 +12,15 @@ Each holds a :class:`~lightning_pin.core.sharding.Target` (the merged elements o
 and a per-element payload), so its kernels are index based, sync-free and work on dense,
 permuted and sharded tensors alike through :meth:`Target.part`. Each has the same four methods:
 :meth:`~Projection.apply` (the restore kernel), :meth:`~Projection.drift` (``|x - P(x)|``, how
-far the optimizer pushed the elements out of the allowed set), :meth:`~Projection.off` (which
-elements are outside it, for verify and the violation count) and :meth:`~Projection.expected`
-(what an element should hold, in words). A new fault kind is one class here, one resolver in
-:mod:`~lightning_pin.core.fault_plan` and one saved form in :mod:`~lightning_pin.core.state`.
+far the optimizer pushed the elements out of the allowed set) and :meth:`~Projection.off` (which
+elements are outside it and what they should hold, for verify and the violation count). A new
+fault kind is one class here, one resolver in :mod:`~lightning_pin.core.fault_plan` and one saved
+form in :mod:`~lightning_pin.core.state`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -57,12 +57,10 @@ class Projection:
         """``|x - P(x)|`` of the elements, flat, in float32 or wider (0 where they hold)."""
         raise NotImplementedError
 
-    def off(self, tensor: Tensor) -> tuple[Tensor, Tensor]:
-        """``(actual, off)``: the elements of ``tensor`` (flat) and where they break the pin."""
-        raise NotImplementedError
-
-    def expected(self, position: int) -> str:
-        """What element ``position`` (of :meth:`off`'s flat order) must hold, in words."""
+    def off(self, tensor: Tensor) -> tuple[Tensor, Tensor, Callable[[int], float | str]]:
+        """``(actual, off, expected)``: the elements of ``tensor`` (flat), where they break the
+        pin, and ``expected(position)``: what element ``position`` must hold (a target value, or
+        in words the stuck bits or the interval). Nothing is kept once the result is dropped."""
         raise NotImplementedError
 
     def _elements(self, tensor: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
@@ -107,16 +105,10 @@ class ExactValue(Projection):
         deviation = (actual - values.reshape(-1).to(actual.device)).abs()
         return deviation if deviation.dtype in (torch.float32, torch.float64) else deviation.float()
 
-    def off(self, tensor: Tensor) -> tuple[Tensor, Tensor]:
+    def off(self, tensor: Tensor) -> tuple[Tensor, Tensor, Callable[[int], float | str]]:
         _, _, values, actual = self._elements(tensor)
-        self._expected = values.reshape(-1).to(actual.device)
-        return actual, actual != self._expected
-
-    def expected(self, position: int) -> str:
-        return repr(self._expected[position].item())
-
-    def target_at(self, position: int) -> float:
-        return self._expected[position].item()
+        expected = values.reshape(-1).to(actual.device)
+        return actual, actual != expected, lambda position: expected[position].item()
 
 
 class StuckBits(Projection):
@@ -170,23 +162,25 @@ class StuckBits(Projection):
         # inf - inf is NaN: a stuck bit that made an infinity finite (or one infinite) moved it infinitely.
         return torch.where(deviation.isnan() & (before.isinf() | after.isinf()), torch.inf, deviation).float()
 
-    def off(self, tensor: Tensor) -> tuple[Tensor, Tensor]:
+    def off(self, tensor: Tensor) -> tuple[Tensor, Tensor, Callable[[int], float | str]]:
         actual, keep, set_ = self._flat(tensor)
-        self._keep, self._set, self._actual = keep, set_, actual
-        return actual.view(tensor.dtype), ((actual & ~keep) | (~actual & set_)) != 0
+        off = ((actual & ~keep) | (~actual & set_)) != 0
+        return actual.view(tensor.dtype), off, lambda position: _describe_bits(actual, keep, set_, position)
 
-    def expected(self, position: int) -> str:
-        width = torch.iinfo(self._keep.dtype).bits
-        zero, one = int(~self._keep[position]), int(self._set[position])
-        held = int(self._actual[position])
-        wrong = (held & zero) | (~held & one)
-        parts = [f"bits {_hex(held, width)}"]
-        if one:
-            parts.append(f"stuck at 1: {_hex(one, width)}")
-        if zero:
-            parts.append(f"stuck at 0: {_hex(zero, width)}")
-        parts.append(f"wrong: {_hex(wrong, width)}")
-        return ", ".join(parts)
+
+def _describe_bits(actual: Tensor, keep: Tensor, set_: Tensor, position: int) -> str:
+    """``"bits 0x..., stuck at 1: 0x..., stuck at 0: 0x..., wrong: 0x..."`` for one element."""
+    width = torch.iinfo(keep.dtype).bits
+    zero, one = int(~keep[position]), int(set_[position])
+    held = int(actual[position])
+    wrong = (held & zero) | (~held & one)
+    parts = [f"bits {_hex(held, width)}"]
+    if one:
+        parts.append(f"stuck at 1: {_hex(one, width)}")
+    if zero:
+        parts.append(f"stuck at 0: {_hex(zero, width)}")
+    parts.append(f"wrong: {_hex(wrong, width)}")
+    return ", ".join(parts)
 
 
 class Interval(Projection):
@@ -231,12 +225,10 @@ class Interval(Projection):
         wide = actual.double()
         return ((low.double() - wide).clamp_min(0) + (wide - high.double()).clamp_min(0)).float()
 
-    def off(self, tensor: Tensor) -> tuple[Tensor, Tensor]:
-        actual, self._low, self._high = self._flat(tensor)
-        return actual, ~((actual >= self._low) & (actual <= self._high))  # NaN is off
-
-    def expected(self, position: int) -> str:
-        return f"in [{self._low[position].item()!r}, {self._high[position].item()!r}]"
+    def off(self, tensor: Tensor) -> tuple[Tensor, Tensor, Callable[[int], float | str]]:
+        actual, low, high = self._flat(tensor)
+        off = ~((actual >= low) & (actual <= high))  # NaN is off
+        return actual, off, lambda position: f"in [{low[position].item()!r}, {high[position].item()!r}]"
 
 
 #: The projection class of each pin kind.
