@@ -63,7 +63,9 @@ def test_every_group_has_its_options():
     assert options("model") == ["cnn", "mlp", "transformer"]
     assert options("data") == ["digits", "synthetic"]
     assert {"sgd", "adam", "adamw"} <= set(options("optimizer"))
-    assert options("pin") == ["elements", "fault_map", "fraction", "freeze_layers", "none", "per_task"]
+    assert options("pin") == [
+        "bit_faults", "cell_faults", "elements", "fault_map", "fraction", "freeze_layers", "none", "per_task"
+    ]
     assert {"cpu", "ddp_sim", "gpu"} <= set(options("trainer"))
     assert {"csv", "tensorboard"} <= set(options("logger"))
     assert options("hparams_search") == ["optuna"]
@@ -164,6 +166,46 @@ def test_pin_options_build_their_pins(tmp_path):
     stuck = faults["backbone.features.2.weight"].reshape(-1)
     assert torch.equal(selection.index, (~stuck.isnan()).nonzero().squeeze(1))
     assert torch.equal(selection.values, stuck[selection.index])
+
+
+def test_fault_groups_draw_what_the_generators_draw_with_rate_and_seed_overrides(tmp_path):
+    from lightning_pin.faults import bit_faults, cell_faults
+
+    cfg = compose_train(tmp_path, "pin=cell_faults", "pin.rate=0.2", "pin.seed=3", "pin.sa1_fraction=0.25")
+    model = build_model(cfg)
+    pins = build_pins(cfg.pin, model)
+    expected = cell_faults(model, "backbone.features.*.weight", 0.2, sa1_fraction=0.25, seed=3)
+    assert [p.fingerprint() for p in pins] == [p.fingerprint() for p in expected] and len(pins) == 2
+
+    cfg = compose_train(tmp_path, "pin=bit_faults", "pin.rate=0.01", "pin.seed=4", "pin.bits=exponent")
+    pins = build_pins(cfg.pin, model)
+    expected = bit_faults(model, "backbone.features.*.weight", 0.01, bits="exponent", seed=4)
+    assert [p.fingerprint() for p in pins] == [p.fingerprint() for p in expected] and len(pins) == 2
+    cfg = compose_train(tmp_path, "pin=bit_faults", "pin.bits=[30,31]", "pin.params=backbone.head.weight")
+    (p,) = build_pins(cfg.pin, model)
+    assert p.params == "backbone.head.weight" and bool((((p.stuck_at_zero | p.stuck_at_one) & ~(3 << 30)) == 0).all())
+    with pytest.raises(PinError, match="bit 40 is outside the 32-bit word"):
+        build_pins(compose_train(tmp_path, "pin=bit_faults", "pin.bits=40").pin, model)
+
+
+def test_fault_map_group_reads_stuck_bits_and_bounds(tmp_path):
+    from lightning_pin.faults import bit_faults, save_fault_map
+
+    model = build_model(compose_train(tmp_path))
+    drawn = bit_faults(model, "backbone.features.0.weight", rate=0.05, seed=1)
+    drawn.append(Pin("backbone.head.bias", indices=[1, 4], bounds=(0.0, 0.5)))
+    save_fault_map(drawn, tmp_path / "chip.safetensors")
+    cfg = compose_train(tmp_path, "pin=fault_map", f"pin.fault_map={tmp_path / 'chip.safetensors'}")
+    pins = build_pins(cfg.pin, model)
+    assert [(p.params, p.kind) for p in pins] == [("backbone.features.0.weight", "stuck_bits"),
+                                                  ("backbone.head.bias", "bounds")]  # fmt: skip
+    before, after = resolve(drawn, model), resolve(pins, model)
+    for a, b in zip(before.pins, after.pins):
+        (s,), (t,) = a.selections.values(), b.selections.values()
+        assert torch.equal(s.index, t.index)
+        for field in ("stuck_at_zero", "stuck_at_one", "low", "high"):
+            assert (getattr(s, field) is None) == (getattr(t, field) is None)
+            assert getattr(s, field) is None or torch.equal(getattr(s, field), getattr(t, field))
 
 
 @pytest.mark.parametrize("option", options("experiment"))

@@ -70,6 +70,24 @@ def test_one_epoch_default_run_writes_a_report_with_exact_pins(tmp_path):
     assert (tmp_path / "csv" / "pinned" / "metrics.csv").exists()
 
 
+def test_cell_faults_are_drawn_on_the_pretrained_model_and_hold(tmp_path):
+    from lightning_pin.faults import cell_faults
+
+    result = train(*TINY, "pin=cell_faults", "pin.rate=0.1", "pin.seed=2", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    assert "cell faults (rate 0.1, sa1_fraction 0.5, seed 2)" in result.output  # the summary, logged once
+    assert result.output.count("cell faults (rate") == 1
+    model = Classifier(SmallCNN())
+    model.load_state_dict(state_dict(tmp_path / "pretrained.ckpt"))
+    pinned = state_dict(tmp_path / "pinned.ckpt")
+    # SA1 cells read the pretrained layer's largest magnitude, with the pretrained weight's sign.
+    pins = cell_faults(model, "backbone.features.*.weight", 0.1, seed=2)
+    for p in pins:
+        held = pinned[p.params][tuple(p.indices.T)]
+        assert torch.equal(held, p.value)
+        assert held.abs().max() == model.get_parameter(p.params).detach().abs().max()
+
+
 def test_console_script_forwards_overrides_and_loads_ckpt_path(tmp_path):
     torch.manual_seed(0)
     start = Classifier(SmallCNN())

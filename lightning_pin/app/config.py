@@ -250,6 +250,32 @@ class FaultMapConfig(PinsConfig):
 
 
 @dataclass
+class CellFaultsConfig(PinsConfig):
+    """``pin=cell_faults``: stuck-at cells drawn by :func:`lightning_pin.faults.cell_faults` (``faults`` calls it)."""
+
+    params: Any = MISSING
+    rate: float = MISSING
+    sa1_fraction: float = 0.5
+    high: Optional[float] = None
+    seed: int = 0
+    #: A ``_partial_`` node of a generator ``(module) -> list[Pin]``; the app calls it on the model it retrains.
+    faults: Any = None
+
+
+@dataclass
+class BitFaultsConfig(PinsConfig):
+    """``pin=bit_faults``: stuck bits drawn by :func:`lightning_pin.faults.bit_faults` (``faults`` calls it)."""
+
+    params: Any = MISSING
+    rate: float = MISSING
+    bits: Any = None
+    one_fraction: float = 0.5
+    seed: int = 0
+    #: A ``_partial_`` node of a generator ``(module) -> list[Pin]``; the app calls it on the model it retrains.
+    faults: Any = None
+
+
+@dataclass
 class PerTaskConfig(PinsConfig):
     """``pin=per_task``: batches alternate between two tasks; each task's batches freeze the other's layers."""
 
@@ -416,6 +442,8 @@ _SCHEMAS: dict[str, dict[str, type]] = {
         "fraction": FractionPinsConfig,
         "freeze_layers": FreezeLayersConfig,
         "fault_map": FaultMapConfig,
+        "cell_faults": CellFaultsConfig,
+        "bit_faults": BitFaultsConfig,
         "per_task": PerTaskConfig,
     },
     "schema/trainer": {"default": TrainerConfig},

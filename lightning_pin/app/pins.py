@@ -9,13 +9,14 @@ this fault map marks" without listing numbers:
   seed and the parameter's name, so every run, rank and resume pins the same numbers;
 - :func:`fault_map_pins` / :func:`random_fault_map`: a fault map is a ``.pt`` or ``.safetensors``
   file holding, per parameter name, a tensor of the parameter's shape that is NaN where the cell
-  is healthy and holds the stuck-at value where it is faulty.
+  is healthy and holds the stuck-at value where it is faulty (the format of
+  :mod:`lightning_pin.faults`, which also holds stuck bits and bounds).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Union
 
@@ -23,9 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
-from lightning_pin.core.io import TensorFileError, load_tensors
 from lightning_pin.core.plan import fraction_indices, name_seed, resolve
 from lightning_pin.core.spec import Pin
+from lightning_pin.faults import load_fault_map
 
 
 class ValueGenerator:
@@ -116,37 +117,17 @@ def realize(pin: Pin, module: nn.Module) -> Pin:
 
 
 def fault_map_pins(path: Union[str, Path]) -> list[Pin]:
-    """One pin per parameter of a fault map file: its faulty cells, pinned to their stuck-at values.
+    """The pins of a fault map file: its stuck values, stuck bits and bounds, per parameter.
 
-    The file (``.pt`` / ``.pth`` / ``.safetensors``) maps parameter names to tensors of the
-    parameters' shapes: NaN marks a healthy cell, any other number a cell stuck at that number.
+    The file format (``.pt`` / ``.pth`` / ``.safetensors``) is :func:`lightning_pin.faults.load_fault_map`'s:
+    the older maps, one tensor per parameter name that is NaN where the cell is healthy and holds
+    the stuck-at value where it is faulty, read as they always did.
 
     Raises:
         PinError: the file does not exist or cannot be read, holds anything but a dict of tensors,
             or marks no faulty cell.
     """
-    path = Path(path).expanduser()
-    try:
-        faults = load_tensors(path)
-    except TensorFileError as err:
-        if err.reason == "missing":
-            raise PinError(
-                f"fault map {str(path)!r} does not exist (relative paths are taken from {Path.cwd()}); "
-                "write one with lightning_pin.app.pins.random_fault_map and torch.save"
-            ) from err
-        raise PinError(f"fault map: {err}") from err
-    if not isinstance(faults, Mapping) or not all(isinstance(v, Tensor) for v in faults.values()):
-        raise PinError(f"fault map {str(path)!r} must hold a dict of tensors by parameter name")
-    pins = []
-    for name, stuck in faults.items():
-        faulty = ~torch.isnan(stuck)
-        if not faulty.any():
-            continue  # a parameter without faulty cells pins nothing
-        # Values in row-major order of the mask, the order a mask pin reads a value sequence in.
-        pins.append(Pin(name, mask=faulty, value=stuck[faulty]))
-    if not pins:
-        raise PinError(f"fault map {str(path)!r} marks no faulty cell (every value is NaN)")
-    return pins
+    return load_fault_map(path)
 
 
 def random_fault_map(

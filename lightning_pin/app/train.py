@@ -148,6 +148,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         pretrainer.fit(model, datamodule)
         pretrainer.save_checkpoint(output_dir / PRETRAINED_CKPT, weights_only=False)
 
+    if cfg.pin.get("faults") is not None:
+        # Fault generators read the weights (an SA1 cell reads the layer's largest magnitude with
+        # its weight's sign): draw the faults again on the model that is retrained, not on the
+        # freshly initialised one that step 1 checked them on.
+        pins = build_pins(cfg.pin, model, announce=True)
+        plan = resolve(pins, model)
+        pin_callback = build_pin_callback(cfg, pins)
+        trainer = build_trainer(cfg, "pinned", callbacks=[pin_callback, *others])
+
     # 3. Baseline, forced, retraining with the pins (PinMonitor measures at train start).
     pinned = sum(plan.pinned_counts().values())
     log.info(f"Retraining with {len(pins)} pin(s) on {pinned:,} elements for {cfg.trainer.max_epochs} epochs")
@@ -169,12 +178,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 # Building
 
 
-def build_pins(pin_cfg: DictConfig, model: torch.nn.Module) -> list[Pin]:
+def build_pins(pin_cfg: DictConfig, model: torch.nn.Module, announce: bool = False) -> list[Pin]:
     """The pins of the ``pin`` group, ready for ``model``.
 
     Each entry of ``pins`` becomes a :class:`~lightning_pin.Pin`; a value given as a generator node
     (``_target_: lightning_pin.app.pins.UniformValues``) becomes one tensor per matched parameter;
-    a ``fault_map`` file adds one pin per parameter it marks.
+    a ``fault_map`` file adds one pin per parameter it marks; a ``faults`` node (a ``_partial_``
+    fault generator such as :func:`lightning_pin.faults.cell_faults`) adds the pins it draws on ``model``.
 
     Raises:
         PinError: an entry is not a valid pin, a generator's pin matches no parameter of
@@ -185,6 +195,11 @@ def build_pins(pin_cfg: DictConfig, model: torch.nn.Module) -> list[Pin]:
     # keys(), not `in`: `in` is False for a missing value (???), which must fail here, not be skipped.
     if "fault_map" in pin_cfg.keys():
         pins += fault_map_pins(pin_cfg.fault_map)
+    if pin_cfg.get("faults") is not None:
+        drawn = instantiate(pin_cfg.faults, _convert_="all")(model)
+        if announce and getattr(drawn, "summary", None):
+            log.info(drawn.summary)  # what was drawn, per parameter (announce: once, for the model retrained)
+        pins += drawn
     return pins
 
 

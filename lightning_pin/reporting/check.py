@@ -37,8 +37,8 @@ from torch import Tensor
 
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
-from lightning_pin.core.state import PinState, find_pin_states
-from lightning_pin.reporting.compare import differs
+from lightning_pin.core.state import PinState, SavedSelection, find_pin_states
+from lightning_pin.reporting.compare import bounds_off, describe_stuck, differs, stuck_bits_off
 
 #: Suffixes :func:`check_artifacts` reads as artifacts.
 ARTIFACT_SUFFIXES = (".onnx",) + TENSOR_FILE_SUFFIXES
@@ -67,7 +67,10 @@ class OffTarget:
     #: Coordinates of the element in the artifact's tensor.
     position: tuple[int, ...]
     value: float
-    target: float
+    #: The value it must equal (value pins); None for stuck bits and bounds, see ``expected``.
+    target: Optional[float]
+    #: Stuck bits and bounds: what the element must hold ("bits 0x3f800000, stuck at 1: ...", "bounds [0, 1]").
+    expected: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,19 +229,19 @@ def check_artifacts(
         for key, state in states.items()
         for pin_id, reason in _unchecked(state).items()
     ]
-    merged = {key: _merged_entries(state) for key, state in states.items()}
+    merged = {key: _parameters(state) for key, state in states.items()}
     elements = sum(
-        _count_elements(entries, _shape_of(entries, weights.get(name)))
+        _count_elements(entries, faults, _shape_of(entries, faults, weights.get(name)))
         for by_name in merged.values()
-        for name, entries in by_name.items()
+        for name, (entries, faults) in by_name.items()
     )
     results = []
     for artifact in artifacts:
         reader = _open_artifact(artifact)
         checks: list[ParameterCheck] = []
         for key, by_name in merged.items():
-            for name, entries in by_name.items():
-                checks.append(_check_parameter(reader, key, name, entries, weights.get(name), known))
+            for name, (entries, faults) in by_name.items():
+                checks.append(_check_parameter(reader, key, name, entries, faults, weights.get(name), known))
         results.append(ArtifactCheck(reader.label, reader.kind, tuple(checks), reader.exporter))
     return CheckResult(label, tuple(states), tuple(results), tuple(skipped), elements)
 
@@ -292,13 +295,31 @@ def _unchecked(state: PinState) -> dict[int, str]:
     for pin_id, selections in enumerate(state.pins):
         if pin_id not in state.checked_pins:
             reasons[pin_id] = "not active at the last optimizer step"
-        elif all(s.target is None for s in selections.values()):
+        elif all(s.kind == "value" and s.target is None for s in selections.values()):
             reasons[pin_id] = "no saved target (a value=None pin that never activated)"
     return reasons
 
 
 #: Per parameter: (pin id, flat index or None for the whole tensor, target), lowest priority first.
 _Entries = list[tuple[int, Optional[Tensor], Tensor]]
+#: Per parameter: (pin id, saved selection) of each checked stuck-bit or bounds pin.
+_Faults = list[tuple[int, SavedSelection]]
+
+
+def _parameters(state: PinState) -> dict[str, tuple[_Entries, _Faults]]:
+    """Per pinned parameter (in the order the pins name them): its value entries and its faults."""
+    values = _merged_entries(state)
+    faults: dict[str, _Faults] = {}
+    for pin_id in sorted(state.checked_pins):
+        for name, selection in state.pins[pin_id].items():
+            if selection.kind != "value":
+                faults.setdefault(name, []).append((pin_id, selection))
+    names = [name for pin_id in sorted(state.checked_pins) for name in state.pins[pin_id]]
+    return {
+        name: (values.get(name, []), faults.get(name, []))
+        for name in dict.fromkeys(names)
+        if name in values or name in faults
+    }
 
 
 def _merged_entries(state: PinState) -> dict[str, _Entries]:
@@ -330,7 +351,8 @@ class _Reader:
 
 
 class _Unreadable(Exception):
-    """One tensor of an artifact that cannot be compared (an ONNX dtype torch lacks)."""
+    """One tensor of an artifact that cannot be compared (an ONNX dtype torch lacks; stuck bits
+    of a word stored in another width)."""
 
 
 def _artifact_kind(path: Path) -> str:
@@ -493,12 +515,18 @@ def _match(name: str, available: Collection[str], known: set[str]) -> tuple[Opti
 
 
 def _check_parameter(
-    reader: _Reader, key: str, name: str, entries: _Entries, trained: Optional[Tensor], known: set[str]
+    reader: _Reader,
+    key: str,
+    name: str,
+    entries: _Entries,
+    faults: _Faults,
+    trained: Optional[Tensor],
+    known: set[str],
 ) -> ParameterCheck:
-    pins = tuple(sorted({pin_id for pin_id, _, _ in entries}))
-    shape = _shape_of(entries, trained)
-    target_dtype = str(entries[0][2].dtype).replace("torch.", "")
-    elements = _count_elements(entries, shape)
+    pins = tuple(sorted({pin_id for pin_id, _, _ in entries} | {pin_id for pin_id, _ in faults}))
+    shape = _shape_of(entries, faults, trained)
+    target_dtype = _target_dtype(entries, faults, trained)
+    elements = _count_elements(entries, faults, shape)
 
     def problem(text: str, **extra: Any) -> ParameterCheck:
         return ParameterCheck(name, key, pins, elements, extra.pop("tensor", None), None, text,
@@ -509,7 +537,7 @@ def _check_parameter(
         return problem(f"ambiguous: the artifact's {', '.join(repr(a) for a in ambiguous)} could be other "
                        "parameters of the trained model")  # fmt: skip
     if tensor_name is None:
-        return problem("missing", candidates=_candidates(reader, shape, entries, known))
+        return problem("missing", candidates=_candidates(reader, shape, entries, faults, known))
     found_shape = reader.shapes[tensor_name]
     rewrites = reader.rewrites.get(tensor_name, ())
     if shape is not None and found_shape != shape:
@@ -520,7 +548,9 @@ def _check_parameter(
     except _Unreadable as err:
         return problem(str(err), tensor=tensor_name, rewrites=rewrites)
     try:
-        off, shown, elements = _compare(tensor, entries)
+        off, shown, elements = _compare(tensor, entries, faults)
+    except _Unreadable as err:
+        return problem(str(err), tensor=tensor_name, rewrites=rewrites)
     except IndexError:
         return problem(f"pinned elements lie outside its {tuple(tensor.shape)} elements", tensor=tensor_name,
                        rewrites=rewrites)  # fmt: skip
@@ -531,7 +561,7 @@ def _check_parameter(
 
 
 def _candidates(
-    reader: _Reader, shape: Optional[tuple[int, ...]], entries: _Entries, known: set[str]
+    reader: _Reader, shape: Optional[tuple[int, ...]], entries: _Entries, faults: _Faults, known: set[str]
 ) -> tuple[Candidate, ...]:
     """Unmatched artifact tensors of the parameter's shape or its transpose, compared with the
     targets (the first :data:`MAX_CANDIDATES` of them: each is read)."""
@@ -553,27 +583,50 @@ def _candidates(
         if tuple(tensor.shape) == flipped:
             readings.append((True, tensor.t()))
         try:
-            compared = [(_compare(t, entries)[:2], transposed) for transposed, t in readings]
-        except IndexError:  # targets that do not fit this shape: not a copy
+            compared = [(_compare(t, entries, faults)[:2], transposed) for transposed, t in readings]
+        except (IndexError, _Unreadable):  # targets that do not fit this shape or dtype: not a copy
             continue
         (off, shown), transposed = min(compared, key=lambda c: c[0][0])
         found.append(Candidate(name, transposed, off, shown))
     return tuple(found)
 
 
-def _shape_of(entries: _Entries, trained: Optional[Tensor]) -> Optional[tuple[int, ...]]:
+def _shape_of(entries: _Entries, faults: _Faults, trained: Optional[Tensor]) -> Optional[tuple[int, ...]]:
     """The parameter's shape in the trained model: from the pinned file's weights, else from a
-    whole-tensor target; None when only element pins name it and the file holds no weights."""
+    whole-tensor target or fault; None when only element pins name it and the file holds no weights."""
     if trained is not None:
         return tuple(trained.shape)
     whole = next((target for _, index, target in entries if index is None), None)
+    if whole is None:
+        whole = next((_fault_data(s)[0] for _, s in faults if s.index is None), None)
     return None if whole is None else tuple(whole.shape)
 
 
-def _count_elements(entries: _Entries, shape: Optional[tuple[int, ...]]) -> int:
-    if any(index is None for _, index, _ in entries):
+def _target_dtype(entries: _Entries, faults: _Faults, trained: Optional[Tensor]) -> Optional[str]:
+    if entries:
+        dtype = entries[0][2].dtype
+    elif trained is not None:
+        dtype = trained.dtype
+    else:
+        bounded = [s.low for _, s in faults if s.kind == "bounds"]
+        if not bounded:
+            return None  # stuck bits alone: a word of known width, of unknown float type
+        dtype = bounded[0].dtype
+    return str(dtype).replace("torch.", "")
+
+
+def _fault_data(selection: SavedSelection) -> tuple[Tensor, Tensor]:
+    """``(stuck_at_zero, stuck_at_one)`` or ``(low, high)`` of a saved fault selection."""
+    if selection.kind == "stuck_bits":
+        return selection.stuck_at_zero, selection.stuck_at_one  # type: ignore[return-value]
+    return selection.low, selection.high  # type: ignore[return-value]
+
+
+def _count_elements(entries: _Entries, faults: _Faults, shape: Optional[tuple[int, ...]]) -> int:
+    indices = [index for _, index, _ in entries] + [s.index for _, s in faults]
+    if any(index is None for index in indices):
         return _numel(shape) if shape is not None else 0
-    return int(torch.unique(torch.cat([index.long() for _, index, _ in entries])).numel())
+    return int(torch.unique(torch.cat([index.long() for index in indices])).numel())
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -583,39 +636,90 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _compare(tensor: Tensor, entries: _Entries) -> tuple[int, tuple[OffTarget, ...], int]:
+def _compare(tensor: Tensor, entries: _Entries, faults: _Faults = ()) -> tuple[int, tuple[OffTarget, ...], int]:
     """Off-target count, the first off-target elements, and the pinned element count.
+
+    Value pins must equal their targets bit for bit; stuck bits must read what they are stuck at
+    (compared on the stored words); bounded elements must lie in their interval.
 
     Raises:
         IndexError: an index lies outside ``tensor`` (or a whole-tensor target has another size).
+        _Unreadable: stuck bits of a word the artifact stores in another width.
     """
     numel = tensor.numel()
-    positions, targets = [], []
-    for _, index, target in entries:
-        if index is None:
-            if target.numel() != numel:
-                raise IndexError(f"{target.numel()} targets for {numel} elements")
-            positions.append(torch.arange(numel))
+    flat = tensor.reshape(-1)
+    checked: list[Tensor] = []  # positions of every pinned element
+    off_at: list[Tensor] = []  # positions of the off-target ones
+    found: list[tuple[int, float, Optional[float], Optional[str]]] = []  # the first few: position, value, ...
+    if entries:
+        positions, targets = [], []
+        for _, index, target in entries:
+            positions.append(_positions(index, target.numel(), numel))
+            targets.append(target.reshape(-1))
+        position, target = torch.cat(positions), torch.cat(targets)
+        # Later entries win on shared elements (explicit after captured), as in the engine.
+        order = torch.argsort(position, stable=True)
+        position, target = position[order], target[order]
+        unique, counts = torch.unique_consecutive(position, return_counts=True)
+        target = target[counts.cumsum(0) - 1]
+        values = flat.index_select(0, unique)
+        off = differs(values, target)
+        checked.append(unique)
+        off_at.append(unique[off])
+        for w in off.nonzero().reshape(-1)[:MAX_SHOWN].tolist():
+            found.append((int(unique[w]), values[w].item(), target[w].item(), None))
+    for _, selection in faults:
+        first, second = (t.reshape(-1) for t in _fault_data(selection))
+        position = _positions(selection.index, first.numel(), numel)
+        values = flat.index_select(0, position)
+        if selection.kind == "stuck_bits":
+            off = stuck_bits_off(values, first, second)
+            if off is None:
+                width = 8 * first.element_size()
+                raise _Unreadable(
+                    f"it is stored as {str(tensor.dtype).replace('torch.', '')} in the artifact: its stuck bits are "
+                    f"bits of a {width}-bit word, which this artifact does not hold"
+                )
+            words = values.contiguous().view(first.dtype)
+            width = 8 * first.element_size()
+
+            def expected(i: int) -> str:
+                return describe_stuck(int(words[i]), int(first[i]), int(second[i]), width)
         else:
-            if index.numel() and int(index.max()) >= numel:
-                raise IndexError(f"index {int(index.max())} for {numel} elements")
-            positions.append(index.long())
-        targets.append(target.reshape(-1))
-    position, target = torch.cat(positions), torch.cat(targets)
-    # Later entries win on shared elements (explicit after captured), as in the engine.
-    order = torch.argsort(position, stable=True)
-    position, target = position[order], target[order]
-    unique, counts = torch.unique_consecutive(position, return_counts=True)
-    target = target[counts.cumsum(0) - 1]
-    values = tensor.reshape(-1).index_select(0, unique)
-    off = differs(values, target)
-    where = off.nonzero().reshape(-1)[:MAX_SHOWN]
-    coords = torch.stack(torch.unravel_index(unique[where], tuple(tensor.shape)), dim=1) if tensor.dim() else None
+            off = bounds_off(values, first, second)
+
+            def expected(i: int) -> str:
+                return f"bounds [{first[i].item()!r}, {second[i].item()!r}]"
+
+        checked.append(position)
+        off_at.append(position[off])
+        for w in off.nonzero().reshape(-1)[:MAX_SHOWN].tolist():
+            found.append((int(position[w]), values[w].item(), None, expected(w)))
+    elements = int(torch.unique(torch.cat(checked)).numel()) if checked else 0
+    off_count = int(torch.unique(torch.cat(off_at)).numel()) if off_at else 0
+    found.sort(key=lambda item: item[0])
     shown = tuple(
-        OffTarget(tuple(coords[i].tolist()) if coords is not None else (), values[w].item(), target[w].item())
-        for i, w in enumerate(where.tolist())
+        OffTarget(_coordinates(at, tuple(tensor.shape)), value, target, expected)
+        for at, value, target, expected in found[:MAX_SHOWN]
     )
-    return int(off.sum()), shown, int(unique.numel())
+    return off_count, shown, elements
+
+
+def _positions(index: Optional[Tensor], count: int, numel: int) -> Tensor:
+    """Flat positions of a saved selection, checked against the artifact's element count."""
+    if index is None:
+        if count != numel:
+            raise IndexError(f"{count} targets for {numel} elements")
+        return torch.arange(numel)
+    if index.numel() and int(index.max()) >= numel:
+        raise IndexError(f"index {int(index.max())} for {numel} elements")
+    return index.long()
+
+
+def _coordinates(position: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if not shape:
+        return ()
+    return tuple(int(c) for c in torch.unravel_index(torch.tensor(position), shape))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -709,6 +813,8 @@ def _candidate_lines(p: ParameterCheck) -> list[str]:
 def _show(element: OffTarget, p: ParameterCheck) -> str:
     at = list(element.position)
     value = _shortest(element.value, p.dtype or p.target_dtype or "float64")
+    if element.expected is not None:
+        return f"{at} = {value}, {element.expected}"
     target = _shortest(element.target, p.target_dtype or "float64")
     return f"{at} = {value}, target {target}"
 

@@ -28,3 +28,36 @@ def select(tensor: Tensor, index: Optional[Tensor]) -> Tensor:
     """The elements at flat row-major ``index`` (every element when ``index`` is None)."""
     flat = tensor.reshape(-1)
     return flat if index is None else flat.index_select(0, index.long())
+
+
+def stuck_bits_off(values: Tensor, zero: Tensor, one: Tensor) -> Optional[Tensor]:
+    """Elements whose stuck bits do not read what they are stuck at (``bits & zero`` must be 0,
+    ``bits & one`` must be ``one``), compared on the stored words; None when ``values`` are not
+    words of the masks' width (an artifact that stores the parameter in another dtype)."""
+    if not values.is_floating_point() or values.element_size() != zero.element_size():
+        return None
+    words = values.contiguous().view(zero.dtype)
+    return ((words & zero) | (~words & one.to(zero.dtype))) != 0
+
+
+def bounds_off(values: Tensor, low: Tensor, high: Tensor) -> Tensor:
+    """Elements outside ``[low, high]`` (NaN is outside), compared by value in float64."""
+    wide = values.to(torch.float64)
+    return ~((wide >= low.to(torch.float64)) & (wide <= high.to(torch.float64)))
+
+
+def hex_word(value: int, width: int) -> str:
+    """``value``'s low ``width`` bits as hex, zero-padded to the word (``0x40000000``)."""
+    return f"0x{value & ((1 << width) - 1):0{width // 4}x}"
+
+
+def describe_stuck(word: int, zero: int, one: int, width: int) -> str:
+    """What a stuck-bit element holds and must hold: its bits, the stuck ones, the wrong ones."""
+    wrong = (word & zero) | (~word & one)
+    parts = [f"bits {hex_word(word, width)}"]
+    if one:
+        parts.append(f"stuck at 1: {hex_word(one, width)}")
+    if zero:
+        parts.append(f"stuck at 0: {hex_word(zero, width)}")
+    parts.append(f"wrong: {hex_word(wrong, width)}")
+    return ", ".join(parts)

@@ -20,7 +20,8 @@ from torch import Tensor
 
 # The one tensor-file reader (weights_only=True), also offered here: `lightning-pin diff` reads with it.
 from lightning_pin.core.io import load_checkpoint
-from lightning_pin.core.state import PinState, find_pin_states
+from lightning_pin.core.state import PinState, SavedSelection, find_pin_states
+from lightning_pin.reporting.compare import bounds_off, stuck_bits_off
 from lightning_pin.reporting.compare import differs as _differs
 from lightning_pin.reporting.compare import select as _select
 from lightning_pin.reporting.tables import Column, print_table
@@ -59,11 +60,16 @@ class PinCheck:
     pin: int
     name: str
     elements: int
-    #: Elements off target in B (bit for bit); None when B lacks the parameter or its shape differs.
+    #: Elements off target in B (bit for bit; stuck bits on the stored words, bounds by value);
+    #: None when they cannot be compared (see ``problem``).
     off_target: Optional[int]
     #: Pinned elements whose value differs between A and B (None without A's tensor).
     changed: Optional[int]
     active: bool
+    #: ``"value"``, ``"stuck_bits"`` or ``"bounds"``: what the pin holds.
+    kind: str = "value"
+    #: Why ``off_target`` is None for an active pin.
+    problem: Optional[str] = None
 
     @property
     def holds(self) -> bool:
@@ -181,16 +187,46 @@ def _check_pins(
             tb, ta = weights_b.get(name), weights_a.get(name)
             reference = tb if tb is not None else ta
             elements = int(index.numel()) if index is not None else (reference.numel() if reference is not None else 0)
+            changed = None
+            if ta is not None and tb is not None and ta.shape == tb.shape:
+                changed = int(_differs(_select(ta, index), _select(tb, index)).sum())
+            if entry.kind != "value":
+                off, problem = _fault_off(tb, entry)
+                checks.append(
+                    PinCheck(key, pin_id, name, elements, off, changed, pin_id in active, entry.kind, problem)
+                )
+                continue
             if target is None:
                 # A pin with value=None that never activated has no target yet.
                 checks.append(PinCheck(key, pin_id, name, elements, None, None, False))
                 continue
             off = _off_target(tb, index, target)
-            changed = None
-            if ta is not None and tb is not None and ta.shape == tb.shape:
-                changed = int(_differs(_select(ta, index), _select(tb, index)).sum())
             checks.append(PinCheck(key, pin_id, name, elements, off, changed, pin_id in active))
     return checks
+
+
+def _fault_off(tensor: Optional[Tensor], entry: SavedSelection) -> tuple[Optional[int], Optional[str]]:
+    """Elements of a stuck-bit or bounds pin off target in ``tensor``, or None and why not comparable."""
+    if entry.kind == "stuck_bits":
+        first, second = entry.stuck_at_zero, entry.stuck_at_one
+    else:
+        first, second = entry.low, entry.high
+    assert first is not None and second is not None  # the state reader checked them
+    if tensor is None:
+        return None, "parameter missing in B"
+    index = entry.index
+    expected_shape = tuple(tensor.shape) if index is None else (index.numel(),)
+    outside = index is not None and index.numel() and int(index.max()) >= tensor.numel()
+    if tuple(first.shape) != expected_shape or outside:
+        return None, "parameter reshaped in B"
+    values = _select(tensor, index)
+    if entry.kind == "bounds":
+        return int(bounds_off(values, first.reshape(-1), second.reshape(-1)).sum()), None
+    off = stuck_bits_off(values, first.reshape(-1), second.reshape(-1))
+    if off is None:
+        width = 8 * first.element_size()
+        return None, f"stored as {tensor.dtype} in B: stuck bits of a {width}-bit word cannot be read there"
+    return int(off.sum()), None
 
 
 def _off_target(tensor: Optional[Tensor], index: Optional[Tensor], target: Tensor) -> Optional[int]:
@@ -254,11 +290,12 @@ def _pin_lines(diff: CheckpointDiff) -> list[tuple[str, Optional[bool]]]:
         if c.state_key != state_key:
             state_key = c.state_key
             lines.append((f"  {state_key}", None))
-        where = f"    pin {c.pin} on {c.name} ({c.elements:,} elements)"
+        kind = {"stuck_bits": ", stuck bits", "bounds": ", bounds"}.get(c.kind, "")
+        where = f"    pin {c.pin} on {c.name} ({c.elements:,} elements{kind})"
         if not c.active:
             lines.append((f"{where}: not active at the last step, not checked", None))
         elif c.off_target is None:
-            lines.append((f"{where}: parameter missing or reshaped in B", False))
+            lines.append((f"{where}: {c.problem or 'parameter missing or reshaped in B'}", False))
         else:
             moved = "" if c.changed is None else f", {c.changed:,} changed since A"
             state = "holds" if c.holds else f"{c.off_target:,} element(s) OFF TARGET"

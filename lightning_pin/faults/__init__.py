@@ -1,0 +1,23 @@
+"""Fault models as ordinary pins: stuck-at cells, stuck bits, and fault-map files.
+
+A faulty accelerator holds some weights whatever training writes. These generators draw such
+faults for a module and return plain :class:`~lightning_pin.Pin` lists, to give to
+:class:`~lightning_pin.PinCallback` or :func:`~lightning_pin.pin`:
+
+- :func:`cell_faults`: a ``rate`` fraction of the elements is stuck: SA0 cells read ``0.0``, SA1
+  cells read ``sign(w) * high`` (a ReRAM device stuck at its extreme conductance);
+- :func:`bit_faults`: each (element, bit) pair of the stored word is stuck with probability
+  ``rate`` (a bit error rate of SRAM / DRAM weight memory); the other bits keep training;
+- :func:`save_fault_map` / :func:`load_fault_map`: one file format for stuck values, stuck bits
+  and bounds per parameter name, so a chip's measured fault map can be pinned as it is.
+
+Every draw is seeded with ``seed`` and the parameter's name and made on the CPU in full-parameter
+coordinates: the same faults on every rank, run and resume. Torch only (no Lightning).
+"""
+
+from lightning_pin.faults._common import FaultPins
+from lightning_pin.faults.bits import bit_faults, bit_positions
+from lightning_pin.faults.cells import cell_faults
+from lightning_pin.faults.fault_map import load_fault_map, save_fault_map
+
+__all__ = ["FaultPins", "bit_faults", "bit_positions", "cell_faults", "load_fault_map", "save_fault_map"]

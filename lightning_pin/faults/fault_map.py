@@ -1,0 +1,412 @@
+"""Fault-map files: stuck values, stuck bits and bounds per parameter name (:func:`save_fault_map`,
+:func:`load_fault_map`), so a chip's measured map can be pinned as it is."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pin.core.errors import PinError
+from lightning_pin.core.io import TensorFileError, load_tensors
+from lightning_pin.core.plan import resolve
+from lightning_pin.core.spec import Pin
+from lightning_pin.faults._common import FaultPins, coordinates, exact_name, exact_pattern, finish
+
+
+#: What a fault-map key after ``<parameter name>:`` may say, and what marks a healthy element there.
+FIELDS = {"value": math.nan, "stuck_at_zero": 0, "stuck_at_one": 0, "low": -math.inf, "high": math.inf}
+#: The key suffix of the (optional) coordinates of the elements the other fields describe.
+INDICES = "indices"
+
+PathLike = Union[str, Path]
+
+
+def save_fault_map(pins: Iterable[Pin], path: PathLike, *, module: Optional[nn.Module] = None) -> Path:
+    """Write ``pins`` (stuck values, stuck bits, bounds) to a fault-map file that :func:`load_fault_map` reads.
+
+    Without ``module`` the pins must name their elements by themselves: one parameter name each
+    (as the generators of this module return them) and ``indices`` or a ``mask`` (or no selection
+    with tensors of the parameter's shape), with explicit values. With ``module`` any pin is
+    resolved on it first (globs, ``fraction``, whole tensors; ``value=None`` saves what the
+    elements hold now). Either way a fault map holds faults present at every step: ``when`` and
+    step windows cannot be saved in one. Pins on the
+    same parameter are merged: stuck bits are OR-ed, bounds intersected; two different values for
+    one element are an error. The file is a flat dict of tensors (``.pt`` / ``.pth`` via
+    ``torch.save``, or ``.safetensors``), per parameter ``name:indices`` (``k x ndim`` int64
+    coordinates) and one entry per element for each field present: ``name:value`` (NaN: no stuck
+    value), ``name:stuck_at_zero`` / ``name:stuck_at_one`` (int64 bit patterns, 0: no stuck bit),
+    ``name:low`` / ``name:high`` (float64, -inf / +inf: no bound).
+
+    Example::
+
+        >>> import tempfile, torch
+        >>> from pathlib import Path
+        >>> from lightning_pin.faults import cell_faults, load_fault_map, save_fault_map
+        >>> net = torch.nn.Linear(8, 4)
+        >>> pins = cell_faults(net, "weight", rate=0.25)
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     path = save_fault_map(pins, Path(folder) / "chip.safetensors")
+        ...     loaded = load_fault_map(path)
+        >>> torch.equal(loaded[0].indices, pins[0].indices), torch.equal(loaded[0].value, pins[0].value)
+        (True, True)
+
+    Returns:
+        The path written.
+
+    Raises:
+        PinError: a pin a fault map cannot hold (``when``, a step window; without ``module`` also a
+            glob, ``fraction``, ``value=None``, values given as file paths, a scalar for a whole
+            tensor of unknown shape), a pin ``module`` refuses, conflicting values, a bit stuck
+            both ways, empty bounds, or an unknown suffix.
+    """
+    path = Path(path).expanduser()
+    if path.suffix not in (".pt", ".pth", ".safetensors"):
+        raise PinError(f"save_fault_map: {path} must end in .pt, .pth or .safetensors")
+    entries: dict[str, list[tuple[Tensor, dict[str, Tensor]]]] = {}
+    found = _resolved_entries(list(pins), module) if module is not None else map(_fault_entry, pins)
+    for name, coords, fields in found:
+        entries.setdefault(name, []).append((coords, fields))
+    if not entries:
+        raise PinError("save_fault_map: no pins to save")
+    tensors: dict[str, Tensor] = {}
+    for name, parts in entries.items():
+        tensors.update(_merge(name, parts))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    else:
+        torch.save(tensors, path)
+    return path
+
+
+def load_fault_map(path: PathLike) -> FaultPins:
+    """Pins for every fault a fault-map file marks: stuck values, stuck bits and bounds, per parameter.
+
+    The file (``.pt`` / ``.pth`` / ``.safetensors``) is a flat dict of tensors keyed by
+    ``<parameter name>:<field>``, each field of the parameter's shape (a dense map, as a chip
+    measurement gives) or, when ``<name>:indices`` holds ``k x ndim`` coordinates, with one entry
+    per listed element (as :func:`save_fault_map` writes):
+
+    - ``value``: the value the element is stuck at; NaN marks a healthy element. A key that is a
+      bare parameter name means the same (the older NaN-means-healthy maps);
+    - ``stuck_at_zero`` / ``stuck_at_one``: integer bit patterns of the element's word; 0 marks no
+      stuck bit;
+    - ``low`` / ``high``: the interval a bounded cell is clamped into; -inf / +inf mark no bound.
+
+    Each parameter gives up to three pins (one per kind present), checked like any pin when
+    resolved on the module. The returned :class:`FaultPins` has a ``summary`` of what was read.
+
+    Raises:
+        PinError: the file is missing or unreadable, holds anything but tensors keyed by name,
+            uses an unknown field, has fields whose shapes disagree, or marks no fault.
+    """
+    path = Path(path).expanduser()
+    try:
+        raw = load_tensors(path)
+    except TensorFileError as err:
+        if err.reason == "missing":
+            raise PinError(
+                f"fault map {str(path)!r} does not exist (relative paths are taken from {Path.cwd()}); "
+                "write one with lightning_pin.faults.save_fault_map (or lightning_pin.app.pins.random_fault_map and "
+                "torch.save)"
+            ) from err
+        raise PinError(f"fault map: {err}") from err
+    where = f"fault map {str(path)!r}"
+    if not isinstance(raw, Mapping) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in raw.items()):
+        raise PinError(f"{where} must hold a dict of tensors keyed by parameter name (and field)")
+    grouped: dict[str, dict[str, Tensor]] = {}
+    for key, tensor in raw.items():
+        name, field = _split_key(key, where)
+        if field in grouped.setdefault(name, {}):
+            raise PinError(f"{where}: {name!r} has its stuck values twice (as {name!r} and {name + ':value'!r})")
+        grouped[name][field] = tensor
+    pins, lines, faulty = [], [], {}
+    for name, fields in grouped.items():
+        made, line, count = _pins_from_fields(name, fields, where)
+        pins += made
+        faulty[name] = count
+        lines.append(line)
+    if not pins:
+        raise PinError(f"{where} marks no faulty cell (every value NaN, no stuck bit, no bound)")
+    return finish(pins, f"fault map {path.name}", lines, faulty)
+
+
+def _split_key(key: str, where: str) -> tuple[str, str]:
+    name, sep, field = key.rpartition(":")
+    if not sep:
+        return key, "value"  # the older maps: the bare parameter name holds stuck values
+    if field not in FIELDS and field != INDICES:
+        raise PinError(
+            f"{where}: key {key!r} ends in {field!r}; a key is a parameter name or 'name:field' with field one of "
+            f"{[*FIELDS, INDICES]}"
+        )
+    return name, field
+
+
+def _pins_from_fields(name: str, fields: dict[str, Tensor], where: str) -> tuple[list[Pin], str, int]:
+    """One pin per kind of fault that ``fields`` marks for parameter ``name``."""
+    coords = fields.pop(INDICES, None)
+    if coords is not None:
+        if coords.dtype in (torch.bool,) or coords.is_floating_point() or coords.ndim not in (1, 2):
+            raise PinError(f"{where}: {name}:indices must be (k x ndim) integer coordinates, got {_show(coords)}")
+        coords = coords.to(torch.int64)
+        expected: Optional[tuple[int, ...]] = (coords.shape[0],)
+    else:
+        expected = None
+    for field, tensor in fields.items():
+        shape = tuple(tensor.shape)
+        if field.startswith("stuck") and (tensor.is_floating_point() or tensor.dtype == torch.bool):
+            raise PinError(f"{where}: {name}:{field} must hold integer bit patterns, got {_show(tensor)}")
+        if not field.startswith("stuck") and not tensor.is_floating_point():
+            tensor = fields[field] = tensor.to(torch.float64)
+        if expected is None:
+            expected = shape
+        elif shape != expected:
+            per = "one entry per row of indices" if coords is not None else "the parameter's shape, like the others"
+            raise PinError(f"{where}: {name}:{field} has shape {shape}; expected {expected} ({per})")
+
+    def faulty(field: str) -> Optional[Tensor]:
+        tensor = fields.get(field)
+        if tensor is None:
+            return None
+        healthy = FIELDS[field]
+        return ~tensor.isnan() if field == "value" else tensor != healthy
+
+    def select(chosen: Tensor) -> dict[str, Any]:
+        if coords is not None:
+            return {"indices": coords[chosen]}
+        return {"mask": chosen}
+
+    pins, parts, every = [], [], None
+    pattern = exact_pattern(name)
+    stuck_value = faulty("value")
+    if stuck_value is not None and bool(stuck_value.any()):
+        pins.append(Pin(pattern, value=fields["value"][stuck_value], **select(stuck_value)))
+        count = int(stuck_value.sum())
+        parts.append(f"{count:,} stuck value{'s' if count != 1 else ''}")
+    zero, one = faulty("stuck_at_zero"), faulty("stuck_at_one")
+    bits = zero if one is None else one if zero is None else zero | one
+    if bits is not None and bool(bits.any()):
+        masks = {f: fields[f][bits] for f in ("stuck_at_zero", "stuck_at_one") if f in fields}
+        pins.append(Pin(pattern, **masks, **select(bits)))
+        parts.append(f"{int(bits.sum()):,} with stuck bits")  # elements
+    low, high = faulty("low"), faulty("high")
+    bounded = low if high is None else high if low is None else low | high
+    if bounded is not None and bool(bounded.any()):
+        pair = tuple(
+            fields[f][bounded] if f in fields else torch.full((int(bounded.sum()),), FIELDS[f], dtype=torch.float64)
+            for f in ("low", "high")
+        )
+        pins.append(Pin(pattern, bounds=pair, **select(bounded)))
+        parts.append(f"{int(bounded.sum()):,} bounded")
+    for marked in (stuck_value, bits, bounded):
+        if marked is not None:
+            every = marked if every is None else every | marked
+    count = 0 if every is None else int(every.sum())
+    return pins, f"{name}: {', '.join(parts) if parts else 'no fault'}", count
+
+
+def _resolved_entries(pins: list[Pin], module: nn.Module) -> list[tuple[str, Tensor, dict[str, Tensor]]]:
+    """Per pin and parameter it selects on ``module``: the name, coordinates and per-element fields."""
+    for pin in pins:
+        _static(pin)
+    found = []
+    for rp in resolve(pins, module).pins:
+        for name, selection in rp.selections.items():
+            parameter = selection.parameter.detach()
+            flat = torch.arange(parameter.numel()) if selection.index is None else selection.index.cpu().long()
+            coords = coordinates(flat, tuple(parameter.shape))
+
+            def per_element(tensor: Tensor) -> Tensor:
+                return tensor.detach().cpu().reshape(-1)  # one per element of `flat`, in its order
+
+            if selection.kind == "stuck_bits":
+                fields = {f: _unsigned(per_element(getattr(selection, f))) for f in ("stuck_at_zero", "stuck_at_one")}
+            elif selection.kind == "bounds":
+                fields = {f: per_element(getattr(selection, f)).to(torch.float64) for f in ("low", "high")}
+            else:
+                values = selection.values
+                if values is None:  # value=None: the elements are stuck at what they hold now
+                    values = parameter.reshape(-1)[flat.to(parameter.device)]
+                fields = {"value": per_element(values)}
+            found.append((name, coords, fields))
+    return found
+
+
+def _unsigned(mask: Tensor) -> Tensor:
+    """Bit masks as int64 patterns: the signed view of a 16- / 32-bit word as the unsigned pattern it stands for."""
+    if mask.dtype in (torch.int16, torch.int32):
+        return mask.to(torch.int64) & ((1 << (8 * mask.element_size())) - 1)
+    return mask.to(torch.int64)
+
+
+def _static(pin: Pin) -> None:
+    if pin.when is not None or pin.start_step or pin.stop_step is not None:
+        raise PinError(
+            f"save_fault_map: {pin!r}: a fault map holds faults present at every step; when, start_step and "
+            "stop_step cannot be saved in one"
+        )
+
+
+def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor]]:
+    """The parameter a pin names, its elements' coordinates and its per-element fields."""
+    if not isinstance(pin, Pin):
+        raise PinError(f"save_fault_map: expected Pins, got {type(pin).__name__}: {pin!r}")
+    name = exact_name(pin.params) if isinstance(pin.params, str) else None
+    if name is None:
+        raise PinError(
+            f"save_fault_map: {pin!r} must name one parameter exactly (a fault map is keyed by name); a glob, regex "
+            "or list of names needs a module to resolve: save_fault_map(pins, path, module=model)"
+        )
+    _static(pin)
+    if pin.fraction is not None:
+        raise PinError(
+            f"save_fault_map: {pin!r}: fraction needs a module to resolve: save_fault_map(pins, path, module=model)"
+        )
+    for field in ("indices", "mask", "value", "stuck_at_zero", "stuck_at_one", "bounds"):
+        if isinstance(getattr(pin, field), (str, Path, Mapping)):
+            raise PinError(f"save_fault_map: {pin!r}: {field} must be given in memory (tensors or numbers) to be saved")
+    kind = pin.kind
+    if kind == "value" and pin.value is None:
+        raise PinError(
+            f"save_fault_map: {pin!r} has no value (value=None keeps what the weights hold when it activates): "
+            "save_fault_map(pins, path, module=model) saves what they hold now"
+        )
+    given = {
+        "value": {"value": pin.value},
+        "stuck_bits": {"stuck_at_zero": pin.stuck_at_zero, "stuck_at_one": pin.stuck_at_one},
+        "bounds": dict(zip(("low", "high"), pin.bounds or (None, None))),
+    }[kind]
+    if pin.indices is not None:
+        coords = torch.as_tensor(pin.indices).to(torch.int64)
+        coords = coords.unsqueeze(1) if coords.ndim == 1 else coords
+        full = None
+    elif pin.mask is not None:
+        coords, full = pin.mask.nonzero(), tuple(pin.mask.shape)
+    else:
+        shapes = [tuple(t.shape) for t in given.values() if isinstance(t, Tensor) and t.ndim > 0]
+        if not shapes:
+            raise PinError(
+                f"save_fault_map: {pin!r} selects a whole tensor whose shape it does not tell: give indices, a mask, "
+                "or per-element tensors of the parameter's shape"
+            )
+        full = shapes[0]
+        coords = torch.ones(full, dtype=torch.bool).nonzero()
+    fields = {}
+    for field, raw in given.items():
+        if raw is None:
+            continue
+        fields[field] = _per_element(pin, field, raw, coords, full)
+    return name, coords, fields
+
+
+def _per_element(pin: Pin, field: str, raw: Any, coords: Tensor, full: Optional[tuple[int, ...]]) -> Tensor:
+    """A pin field as one entry per row of ``coords`` (int64 bit patterns for masks, else floats).
+
+    Read as the plan reads it: a number for every element, one entry per selected element, or a
+    tensor of the parameter's shape.
+    """
+    bits = field.startswith("stuck")
+    try:
+        tensor = raw.detach().cpu() if isinstance(raw, Tensor) else torch.tensor(raw, dtype=torch.float64)
+        if bits and not isinstance(raw, Tensor):
+            tensor = torch.tensor(raw, dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as err:
+        raise PinError(f"save_fault_map: {pin!r}: {field} is not numbers: {err}") from err
+    if bits:
+        tensor = _unsigned(tensor)
+    elif not tensor.is_floating_point():
+        tensor = tensor.to(torch.float64)
+    count = coords.shape[0]
+    if tensor.ndim == 0:
+        return tensor.expand(count).clone()
+    per_element = tensor.ndim == 1 and tensor.numel() == count
+    if pin.indices is not None:
+        if per_element:
+            return tensor.clone()
+        if tensor.ndim == coords.shape[1] and all(
+            int(coords[:, d].max()) < tensor.shape[d] for d in range(tensor.ndim)
+        ):
+            return tensor[tuple(coords.T)].clone()
+    else:
+        if tuple(tensor.shape) == full:
+            return tensor[tuple(coords.T)].clone()
+        if per_element:
+            return tensor.clone()
+    raise PinError(
+        f"save_fault_map: {pin!r}: {field} has shape {tuple(tensor.shape)}; expected a number, {count} entries "
+        "(one per selected element) or a tensor of the parameter's shape"
+    )
+
+
+def _merge(name: str, parts: list[tuple[Tensor, dict[str, Tensor]]]) -> dict[str, Tensor]:
+    """The fault-map entries of one parameter: the union of its pins' elements and their fields."""
+    ndims = {coords.shape[1] for coords, _ in parts}
+    if len(ndims) > 1:
+        raise PinError(f"save_fault_map: the pins on {name!r} give coordinates of {sorted(ndims)} dimensions")
+    cells, inverse = torch.unique(torch.cat([coords for coords, _ in parts]), dim=0, return_inverse=True)
+    # Stuck values keep the pins' dtype (float32 values stay float32), widened to hold them all.
+    dtypes = {"stuck_at_zero": torch.int64, "stuck_at_one": torch.int64, "low": torch.float64, "high": torch.float64}
+    values = [fields["value"].dtype for _, fields in parts if "value" in fields]
+    if values:
+        dtypes["value"] = functools.reduce(torch.promote_types, values)
+    merged: dict[str, Tensor] = {}
+    start = 0
+    for coords, fields in parts:
+        at = inverse[start : start + coords.shape[0]]
+        start += coords.shape[0]
+        for field, given in fields.items():
+            target = merged.setdefault(field, torch.full((cells.shape[0],), FIELDS[field], dtype=dtypes[field]))
+            _merge_field(name, field, target, at, given.to(dtypes[field]), cells)
+    zero, one = merged.get("stuck_at_zero"), merged.get("stuck_at_one")
+    if zero is not None and one is not None and bool((zero & one).any()):
+        at = int((zero & one).ne(0).to(torch.int8).argmax())
+        raise PinError(
+            f"save_fault_map: element {tuple(cells[at].tolist())} of {name!r} has bits {int(zero[at] & one[at]):#x} "
+            "stuck at zero and at one"
+        )
+    if "low" in merged and "high" in merged and bool((merged["low"] > merged["high"]).any()):
+        at = int((merged["low"] > merged["high"]).to(torch.int8).argmax())
+        raise PinError(
+            f"save_fault_map: the bounds of element {tuple(cells[at].tolist())} of {name!r} do not overlap "
+            f"({merged['low'][at].item()} > {merged['high'][at].item()})"
+        )
+    return {f"{name}:{INDICES}": cells, **{f"{name}:{field}": tensor for field, tensor in merged.items()}}
+
+
+def _merge_field(name: str, field: str, target: Tensor, at: Tensor, given: Tensor, cells: Tensor) -> None:
+    """Merge one pin's entries into ``target`` at rows ``at``: values must agree, bits are OR-ed,
+    bounds intersected (``at`` may repeat a row: a pin can list an element twice)."""
+    if field == "low":
+        target.scatter_reduce_(0, at, given, reduce="amax")
+        return
+    if field == "high":
+        target.scatter_reduce_(0, at, given, reduce="amin")
+        return
+    order = torch.argsort(at, stable=True)
+    at, given = at[order], given[order]
+    _, run, counts = torch.unique_consecutive(at, return_inverse=True, return_counts=True)
+    rank = torch.arange(at.numel()) - (counts.cumsum(0) - counts)[run]
+    for r in range(int(counts.max()) if counts.numel() else 0):  # rounds of distinct rows
+        rows, entries = at[rank == r], given[rank == r]
+        if field == "value":
+            before = target[rows]
+            clash = ~before.isnan() & (before != entries)
+            if bool(clash.any()):
+                cell = tuple(cells[rows[clash.to(torch.int8).argmax()]].tolist())
+                raise PinError(f"save_fault_map: element {cell} of {name!r} is given two different stuck values")
+            target[rows] = entries
+        else:
+            target[rows] = target[rows] | entries
+
+
+def _show(tensor: Tensor) -> str:
+    return f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
