@@ -491,3 +491,20 @@ def test_a_stuck_bit_window_holds_only_inside_it():
         train(net, opt, 8, record, accumulate=1)
         assert handle.engine.active == frozenset()
     assert negative[0] > 0 and negative[-1] > 0  # free before and after the window
+
+
+def test_fault_pins_on_whole_modules_leave_their_buffers_training():
+    """Stuck bits and bounds fault a module's weights; they freeze nothing, so its BatchNorm running
+    statistics keep updating (only value pins that freeze whole modules hold buffers)."""
+    net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    pins = [Pin("1.*", bounds=(-1, 1)), Pin("0.*", stuck_at_zero=0x80000000)]  # each covers a whole module
+    before = net[1].running_mean.clone()
+    with pin(net, opt, pins) as handle:
+        for _ in range(3):
+            net(torch.randn(8, 4) + 3.0).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        handle.verify()
+    assert not torch.equal(net[1].running_mean, before)
+    assert int(net[1].num_batches_tracked) == 3

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pin.core.buffers import BufferHold
-from lightning_pin.core.engine import PinEngine
+from lightning_pin.core.engine import PinEngine, is_sharded
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.modules import unwrap
 from lightning_pin.core.plan import PinPlan, check_conflicts, refuse_sparse_gradients, resolve
@@ -158,8 +158,12 @@ class PinHandle:
         # dtype and device. A step is refused if the module holds another object under the name
         # (re-initialised, tied, replaced) or the tensor was cast or moved: the engine would
         # restore into a tensor the module no longer uses, or fail inside the step.
+        # FSDP2 swaps sharded and unsharded parameters on the module around forward and backward
+        # by design: its (sharded) parameters are not checked.
         self._planned = {
-            name: (parameter, parameter.dtype, parameter.device) for name, parameter in engine.plan.parameters.items()
+            name: (parameter, parameter.dtype, parameter.device)
+            for name, parameter in engine.plan.parameters.items()
+            if not is_sharded(parameter)
         }
 
     def _attach(self) -> None:
