@@ -26,15 +26,15 @@ TINY = ["trainer.max_epochs=1", "pretrain.max_epochs=1", "trainer.limit_train_ba
 CELLS = [(0, 0, 1, 1), (5, 0, 2, 2), (12, 0, 0, 1)]
 
 
-def run(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1")
+def run(args: list[str], cwd: Path, timeout: float = 240, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1", "LIGHTNING_PIN_TRACEBACK": "0", **env_vars}
     result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     result.output = result.stdout + result.stderr
     return result
 
 
-def train(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "lightning_pin.train", *overrides], cwd=cwd)
+def train(*overrides: str, cwd: Path, **env_vars: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "lightning_pin.train", *overrides], cwd=cwd, **env_vars)
 
 
 def state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -101,6 +101,20 @@ def test_bad_config_fails_before_training(tmp_path, override, message):
     assert result.returncode == 1
     assert message in result.output
     assert "Pretraining" not in result.output and not (tmp_path / "pretrained.ckpt").exists()
+    # The message, not a traceback before it.
+    assert "Traceback" not in result.output and 'File "' not in result.output
+
+
+def test_app_error_is_one_line_and_the_traceback_comes_on_request(tmp_path):
+    result = train("pin.params=backbone.nothing.*", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 1
+    error = [line for line in result.stderr.splitlines() if line.startswith("PinError: ")]
+    assert len(error) == 1 and "matches no parameter" in error[0], result.stderr
+    assert "LIGHTNING_PIN_TRACEBACK=1" in result.stderr and "Traceback" not in result.output
+
+    full = train("pin.params=backbone.nothing.*", f"hydra.run.dir={tmp_path}", cwd=tmp_path, LIGHTNING_PIN_TRACEBACK="1")
+    assert full.returncode == 1
+    assert "Traceback" in full.stderr and "matches no parameter" in full.stderr
 
 
 def test_multirun_writes_a_summary_row_per_job(tmp_path):
