@@ -125,12 +125,13 @@ def _report(args: argparse.Namespace) -> int:
         report = reporting.report_from_csv(
             csv_path, metric=args.metric, tolerance=args.tolerance, higher_is_better=higher_is_better
         )
-        out = args.out or csv_path.parent
+        out = args.out or (csv_path if csv_path.is_dir() else csv_path.parent)
+        reporting.check_destination(out, plot=not args.no_plot)
         if not args.force:
             reporting.refuse_less_data(report, out)
+        paths = reporting.write_report(report, out, plot=not args.no_plot)
     except (reporting.ReportError, OSError) as err:
         return _fail("report", str(err))
-    paths = reporting.write_report(report, out, plot=not args.no_plot)
     reporting.print_report(report, note=f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from lightning_pin.reporting import tensorboard
 from lightning_pin.reporting.preservation import Preservation
 from lightning_pin.reporting.tables import Column, print_table
 
@@ -135,17 +136,22 @@ def write_report(report: Mapping[str, Any], directory: Union[str, Path], plot: b
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    json_path = directory / REPORT_JSON
-    # Write then rename, so a reader never sees half a file.
-    partial = json_path.with_suffix(".json.part")
-    partial.write_text(json.dumps(report, indent=2, allow_nan=True) + "\n")
-    partial.replace(json_path)
-    written = [json_path]
-    if plot:
-        png = plot_report(report, directory / REPORT_PNG)
-        if png is not None:
-            written.append(png)
-    return written
+    json_path, png_path = directory / REPORT_JSON, directory / REPORT_PNG
+    # Both files or neither: each is written beside its place first, and renamed into it only when
+    # both are complete (a reader never sees half a file either).
+    parts = {json_path: json_path.with_name(REPORT_JSON + ".part")}
+    try:
+        parts[json_path].write_text(json.dumps(report, indent=2, allow_nan=True) + "\n")
+        if plot:
+            parts[png_path] = png_path.with_name(REPORT_PNG + ".part")
+            if plot_report(report, parts[png_path]) is None:
+                del parts[png_path]
+        for final, part in parts.items():
+            part.replace(final)
+    finally:
+        for part in parts.values():
+            part.unlink(missing_ok=True)
+    return list(parts)
 
 
 def plot_report(report: Mapping[str, Any], path: Union[str, Path]) -> Optional[Path]:
@@ -184,7 +190,7 @@ def plot_report(report: Mapping[str, Any], path: Union[str, Path]) -> Optional[P
     fig.suptitle(_headline(report), fontsize=10.5)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     return path
 
 
@@ -321,23 +327,50 @@ def print_report(report: Mapping[str, Any], title: str = "lightning-pin report",
 
 
 def find_metrics_csv(run_dir: Union[str, Path]) -> Path:
-    """``RUN_DIR/metrics.csv``, or the newest ``metrics.csv`` below ``RUN_DIR`` (e.g. ``lightning_logs``).
+    """Where a run's metrics are: ``RUN_DIR/metrics.csv``, ``RUN_DIR`` itself when it holds TensorBoard
+    event files, or else the newest of either below ``RUN_DIR`` (e.g. ``lightning_logs``).
 
     Raises:
-        FileNotFoundError: there is no ``metrics.csv`` in or below ``run_dir``.
+        FileNotFoundError: there is no ``metrics.csv`` or TensorBoard event file in or below ``run_dir``.
     """
     run_dir = Path(run_dir)
     if not run_dir.exists():
-        raise FileNotFoundError(f"{run_dir} does not exist: point at the log directory of a CSVLogger run")
+        raise FileNotFoundError(f"{run_dir} does not exist: point at the log directory of a CSVLogger or TensorBoard run")
     if run_dir.is_file():
         return run_dir
     direct = run_dir / METRICS_CSV
     if direct.exists():
         return direct
-    found = sorted(run_dir.rglob(METRICS_CSV), key=lambda p: p.stat().st_mtime)
+    if tensorboard.has_events(run_dir):
+        return run_dir
+    found = [(p.stat().st_mtime, p) for p in run_dir.rglob(METRICS_CSV)]
+    found += [(p.stat().st_mtime, p.parent) for p in run_dir.rglob(tensorboard.EVENTS_GLOB)]
     if not found:
-        raise FileNotFoundError(f"no {METRICS_CSV} in {run_dir}: point at the log directory of a CSVLogger run")
-    return found[-1]
+        raise FileNotFoundError(
+            f"no {METRICS_CSV} or TensorBoard event file in {run_dir}: point at the log directory of a "
+            "CSVLogger or TensorBoard run"
+        )
+    return max(found, key=lambda item: item[0])[1]
+
+
+def read_run_metrics(path: Union[str, Path]) -> list[dict[str, float]]:
+    """The logged rows of a run: a ``metrics.csv``, or a directory of TensorBoard event files.
+
+    Raises:
+        OSError: the file cannot be opened.
+        ReportError: the CSV is unreadable (see :func:`read_metrics_csv`), the event files hold no
+            scalar, or tensorboard is needed and not installed.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return read_metrics_csv(path)
+    try:
+        rows = tensorboard.read_scalars(path)
+    except tensorboard.TensorBoardMissing as err:
+        raise ReportError(str(err)) from None
+    if not rows:
+        raise ReportError(f"the TensorBoard event files in {path} hold no scalars: the run logged nothing yet")
+    return rows
 
 
 def read_metrics_csv(path: Union[str, Path]) -> list[dict[str, float]]:
@@ -399,7 +432,44 @@ def read_report(path: Union[str, Path]) -> dict[str, Any]:
             raise ReportError(
                 f"{path} is not a valid pin report: {key!r} is {value!r}; fix or delete it to rebuild the report"
             )
+    missing = [key for key in _REPORT_KEYS if key not in report]
+    if missing:
+        # Someone else's JSON under our name: never ours to overwrite.
+        raise ReportError(
+            f"{path} is not a pin report (it has no {', '.join(repr(k) for k in missing)}): not overwriting it; "
+            "move it away, or write the report elsewhere with --out"
+        )
     return report
+
+
+#: Keys every report :func:`make_report` builds holds: a JSON object without them is not ours.
+_REPORT_KEYS = ("pinned_elements", "violations", "history")
+
+
+def check_destination(directory: Union[str, Path], plot: bool = True) -> None:
+    """Raise :class:`ReportError` unless the report files can be written into ``directory`` without
+    replacing anything that is not a report: ``directory`` is a directory (or does not exist yet),
+    an existing ``pin_report.json`` is a pin report, an existing ``pin_report.png`` is a PNG file.
+    """
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ReportError(f"{directory} is a file: the report is written into a directory (pass one with --out)")
+    json_path, png_path = directory / REPORT_JSON, directory / REPORT_PNG
+    if json_path.exists():
+        if not json_path.is_file():
+            raise ReportError(f"{json_path} is not a file: not replacing it; move it away, or use --out")
+        read_report(json_path)
+    if plot and png_path.exists():
+        if not png_path.is_file():
+            raise ReportError(f"{png_path} is not a file: not replacing it; move it away, use --out, or --no-plot")
+        with open(png_path, "rb") as file:
+            if file.read(8) != _PNG_MAGIC:
+                raise ReportError(
+                    f"{png_path} is not a PNG image: not overwriting it; move it away, use --out, or --no-plot"
+                )
+
+
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def report_size(report: Mapping[str, Any]) -> tuple[int, int]:
@@ -439,7 +509,9 @@ def report_from_csv(
     tolerance: Optional[float] = None,
     higher_is_better: Optional[bool] = None,
 ) -> dict[str, Any]:
-    """Rebuild the report of a run from the ``pin/...`` columns of its ``metrics.csv``.
+    """Rebuild the report of a run from the ``pin/...`` metrics it logged: the columns of its
+    ``metrics.csv`` (``CSVLogger``), or the scalars of its TensorBoard event files (Lightning's
+    default logger when tensorboard is installed).
 
     What the CSV cannot hold (the metric's direction and tolerance) comes from the arguments, or
     from the ``pin_report.json`` that :class:`~lightning_pin.PinMonitor` writes next to it when
@@ -450,11 +522,11 @@ def report_from_csv(
         ValueError: the run logged several tracked metrics and ``metric`` does not choose one.
     """
     csv_path = find_metrics_csv(run_dir)
-    rows = read_metrics_csv(csv_path)
+    rows = read_run_metrics(csv_path)
     if not any(key.startswith(PREFIX) for row in rows for key in row):
         raise ReportError(
             f"{csv_path} holds no {PREFIX}... columns: it is not the log of a run trained with PinCallback "
-            "(with its monitor on) and a CSVLogger"
+            "(with its monitor on)"
         )
     # Counts: a NaN or infinite one (a hand-edited or damaged file) cannot be reported.
     for number, row in enumerate(rows, start=1):
@@ -464,8 +536,9 @@ def report_from_csv(
             if key in row and not math.isfinite(row[key]):
                 raise ReportError(f"{csv_path}, row {number}, column {key!r}: {row[key]!r} is not a count")
     existing: dict[str, Any] = {}
-    if (csv_path.parent / REPORT_JSON).exists():
-        existing = read_report(csv_path.parent / REPORT_JSON)
+    log_dir = csv_path if csv_path.is_dir() else csv_path.parent
+    if (log_dir / REPORT_JSON).is_file():
+        existing = read_report(log_dir / REPORT_JSON)
     metric = metric or existing.get("metric") or _discover_metric(rows)
     if tolerance is None:
         tolerance = existing.get("tolerance", 0.01)
