@@ -5,6 +5,7 @@ exact pins, the console script forwards overrides, bad configs fail before train
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import subprocess
@@ -68,6 +69,26 @@ def test_one_epoch_default_run_writes_a_report_with_exact_pins(tmp_path):
     # The report rebuilt from the logged CSV, and the checkpoint diff, agree that the pins held.
     assert cli.main(["diff", str(tmp_path / "pretrained.ckpt"), str(tmp_path / "pinned.ckpt"), "--json"]) == 0
     assert (tmp_path / "csv" / "pinned" / "metrics.csv").exists()
+
+    # The README's recipe from the run to a deployable file: export, then check the pins in it.
+    exported = tmp_path / "deploy" / "model.safetensors"
+    assert cli.main(["export", str(tmp_path), "--to", str(exported)]) == 0
+    assert cli.main(["check", str(tmp_path / "pinned.ckpt"), str(exported)]) == 0
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(exported)["backbone.features.0.weight"], pinned["backbone.features.0.weight"])
+    if importlib.util.find_spec("onnxscript") and importlib.util.find_spec("onnx"):
+        assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / "deploy" / "model.onnx")]) == 0
+        assert cli.main(["check", str(tmp_path / "pinned.ckpt"), str(tmp_path / "deploy" / "model.onnx")]) == 0
+
+
+def test_export_refuses_what_is_not_a_run_or_a_format(tmp_path, capsys):
+    assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / "model.safetensors")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("lightning-pin export: error: ") and "is not the directory of a finished" in line
+    assert "\n" not in line and not (tmp_path / "model.safetensors").exists()
+    assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / "model.pkl")]) == 2
+    assert "one of .safetensors, .onnx" in capsys.readouterr().err
 
 
 def test_console_script_forwards_overrides_and_loads_ckpt_path(tmp_path):
