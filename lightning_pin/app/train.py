@@ -50,7 +50,7 @@ from lightning_pin.callbacks.pin_callback import PinCallback
 from lightning_pin.core.io import TensorFileError, load_checkpoint
 from lightning_pin.core.plan import resolve
 from lightning_pin.core.spec import Pin
-from lightning_pin.reporting.report import REPORT_JSON, REPORT_PNG
+from lightning_pin.reporting.report import REPORT_JSON, REPORT_PNG, settled_step
 
 log = logging.getLogger("lightning_pin.train")
 
@@ -350,6 +350,8 @@ def make_summary(cfg: DictConfig, report: dict[str, Any], output_dir: Path, seco
         "tags": list(cfg.tags),
         "choices": {g: choices.get(g) for g in ("data", "model", "optimizer", "pin", "trainer", "experiment")},
         **{key: report.get(key) for key in keys},
+        # From this step on, every measured value stayed within the tolerance (None: ended outside).
+        "settled_step": settled_step(report) if report.get("history") else None,
         # verify() raised otherwise: every pinned element equals its target (torch.equal).
         "pins_exact": True,
         "seconds": round(seconds, 1),
@@ -364,12 +366,9 @@ def print_summary(summary: dict[str, Any]) -> None:
     of_trainable = f" of {trainable:,} trainable elements" if trainable else ""
     lines = [f"lightning-pin: {choices or 'run'}", f"  pinned    {summary['pinned_elements'] or 0:,}{of_trainable}"]
     if summary.get("baseline") is not None:
-        recovered = summary.get("recovered_step")
-        within = "not within" if recovered is None else "within"
         lines.append(
             f"  accuracy  baseline {_fmt(summary['baseline'])}  forced {_fmt(summary['forced'])}  "
-            f"final {_fmt(summary['final'])}  (gap to baseline {summary['gap']:+.3f}, {within} "
-            f"{summary['tolerance']:g}" + ("" if recovered is None else f" from step {recovered}") + ")"
+            f"final {_fmt(summary['final'])}  (gap to baseline {summary['gap']:+.3f}, {_recovery(summary)})"
         )
     lines.append(
         "  pins      exact: verified with torch.equal on every pinned element; "
@@ -386,6 +385,16 @@ def print_summary(summary: dict[str, Any]) -> None:
     files = ", ".join(summary["files"] + [RUN_SUMMARY])
     lines.append(f"  run dir   {summary['output_dir']}: {files} (ran in {summary['seconds']:.0f} s)")
     print("\n".join(lines), flush=True)
+
+
+def _recovery(summary: dict[str, Any]) -> str:
+    """What "within the tolerance" can truly say of the whole history (see ``settled_step``)."""
+    tolerance, recovered, settled = summary["tolerance"], summary.get("recovered_step"), summary.get("settled_step")
+    if recovered is None:
+        return f"never within {tolerance:g}"
+    if settled is None:
+        return f"within {tolerance:g} at step {recovered}, then left it: ended outside"
+    return f"within {tolerance:g} from step {settled}"
 
 
 def _fmt(value: Optional[float]) -> str:

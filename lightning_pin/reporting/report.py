@@ -171,6 +171,20 @@ def plot_report(report: Mapping[str, Any], path: Union[str, Path]) -> Optional[P
             "lightning-pin: matplotlib is not installed, skipping pin_report.png (pip install 'lightning-pin[app]')"
         )
         return None
+    path = Path(path)
+    build_figure(report, Figure).savefig(path, dpi=110, format="png")
+    return path
+
+
+def build_figure(report: Mapping[str, Any], figure_class: Any = None) -> Any:
+    """The report's matplotlib ``Figure``: one panel per measured history, legends beside the panels
+    (never over the data), zero drifts on a linear axis that starts at 0.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    if figure_class is None:
+        from matplotlib.figure import Figure as figure_class
     history = report["history"]
     panels = []
     if report.get("metric") and history["accuracy"]["step"]:
@@ -181,17 +195,18 @@ def plot_report(report: Mapping[str, Any], path: Union[str, Path]) -> Optional[P
         panels.append(_plot_weight_drift)
     if not panels:
         panels.append(_plot_nothing)
-    fig = Figure(figsize=(8.5, 3.1 * len(panels) + 0.6))
+    fig = figure_class(figsize=(11.5, 3.1 * len(panels) + 0.6))
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)
     for panel, ax in zip(panels, axes[:, 0]):
         panel(ax, report)
         ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            # Beside the panel: inside it, a legend covers the data of runs that go anywhere.
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, framealpha=0.9)
     axes[-1, 0].set_xlabel("optimizer step")
     fig.suptitle(_headline(report), fontsize=10.5)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110, format="png")
-    return path
+    return fig
 
 
 def _headline(report: Mapping[str, Any]) -> str:
@@ -219,10 +234,9 @@ def _plot_metric(ax: Any, report: Mapping[str, Any]) -> None:
         ax.axhline(forced, color="tab:red", ls=":", lw=1.8, label=f"forced (pins set, no training) {_fmt(forced)}")
     if report.get("recovered_step") is not None:
         ax.axvline(report["recovered_step"], color="0.4", ls="-.", lw=1,
-                   label=f"recovered at step {report['recovered_step']}")
+                   label=f"first within tolerance at step {report['recovered_step']}")
     ax.set_ylabel(report["metric"])
     ax.set_title(f"{report['metric']} on the validation data", fontsize=10)
-    ax.legend(loc="lower right" if report["higher_is_better"] else "upper right", fontsize=8, framealpha=0.9)
 
 
 def _plot_pin_drift(ax: Any, report: Mapping[str, Any]) -> None:
@@ -231,13 +245,19 @@ def _plot_pin_drift(ax: Any, report: Mapping[str, Any]) -> None:
     ax.plot(drift["step"], drift["mean"], ".-", color="tab:purple", label="mean |move|")
     if all(v > 0 for v in drift["max"] + drift["mean"]):
         ax.set_yscale("log")
+    else:
+        # A drift of 0 has no logarithm, and a |move| is never negative: a linear axis from 0.
+        top = max(drift["max"] + drift["mean"], default=0.0)
+        ax.set_ylim(0.0, top * 1.1 if top > 0 else 1.0)
+        if top == 0:
+            ax.text(0.5, 0.5, "0 at every logged step: the optimizer never moved a pinned element",
+                    ha="center", va="center", transform=ax.transAxes, fontsize=9, color="0.3")
     bad = [s for s, v in zip(drift["step"], drift["violations"]) if v]
     if bad:
         ax.scatter(bad, [max(drift["max"]) or 1.0] * len(bad), marker="x", color="red", zorder=5,
                    label=f"violations ({report['violations']} elements off target)")
     ax.set_ylabel("|move| in a step")
     ax.set_title("pin drift: how far the optimizer moved the pins in a step (before the restore)", fontsize=10)
-    ax.legend(fontsize=8, framealpha=0.9)
 
 
 def _plot_weight_drift(ax: Any, report: Mapping[str, Any]) -> None:
@@ -250,7 +270,6 @@ def _plot_weight_drift(ax: Any, report: Mapping[str, Any]) -> None:
             ax.plot(drift["step"], values, "-", lw=1, alpha=0.8, label=module)
     ax.set_ylabel("||w - w0||")
     ax.set_title("weight drift: how far the free weights moved to compensate", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", framealpha=0.9)
 
 
 def _plot_nothing(ax: Any, report: Mapping[str, Any]) -> None:
@@ -269,6 +288,36 @@ def _fmt(value: Optional[float]) -> str:
 # The table
 
 
+def settled_step(report: Mapping[str, Any]) -> Optional[int]:
+    """The first step from which every recorded value of the metric stayed within the tolerance
+    (None when the last one is outside it, or nothing was recorded)."""
+    history = report.get("history", {}).get("accuracy", {})
+    baseline, tolerance = report.get("baseline"), report.get("tolerance", 0.01)
+    if baseline is None:
+        return None
+    preservation = Preservation(higher_is_better=report.get("higher_is_better", True), tolerance=tolerance)
+    preservation.baseline = baseline
+    settled = None
+    for step, value in zip(history.get("step", []), history.get("value", [])):
+        if not preservation.within(value):
+            settled = None
+        elif settled is None:
+            settled = int(step)
+    return settled
+
+
+def recovery_text(report: Mapping[str, Any]) -> str:
+    """When the metric came back, true to the whole history: "22", "22, left it again and ended
+    outside", or "not recovered"."""
+    recovered = report.get("recovered_step")
+    if recovered is None:
+        return "not recovered"
+    settled = settled_step(report)
+    if settled is None:
+        return f"{recovered}, then left it and ended outside"
+    return str(recovered) if settled == recovered else f"{recovered} (left it, back for good from step {settled})"
+
+
 def report_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     """The report as ``(quantity, value)`` rows, for the console table."""
     rows = []
@@ -280,10 +329,7 @@ def report_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
             ("forced (pins set, no training)", _fmt(report["forced"])),
             ("final", _fmt(report["final"])),
             ("gap to baseline (positive: worse)", "-" if gap is None else f"{gap:+.4f}"),
-            (
-                f"recovered within {report['tolerance']:g} at step",
-                "not recovered" if report["recovered_step"] is None else str(report["recovered_step"]),
-            ),
+            (f"recovered within {report['tolerance']:g} at step", recovery_text(report)),
         ]
     trainable = report.get("trainable_elements")
     rows.append(
