@@ -4,6 +4,7 @@ subcommand, and ``train --help`` listing every config option and no internal ``s
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,40 @@ def test_train_help_lists_every_option_and_hides_the_schema_groups(tmp_path):
             if (group, option) != ("trainer", "default"):  # the base the trainer options extend
                 assert option in line, f"train --help does not list {group}={option}"
     assert "LIGHTNING_PIN_TRACEBACK=1" in result.stdout
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_app_extra_brings_jsonargparse_and_the_license_file_is_there():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(req.startswith("jsonargparse") for req in project["optional-dependencies"]["app"])
+    assert project["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+@pytest.mark.parametrize(
+    "index,expected",
+    [
+        ("cpu", '--timeout 5 --retries 0 --index-url "https://download.pytorch.org/whl/cpu" "torch=='),
+        ("https://example.org/whl", '--index-url "https://example.org/whl" "torch=='),
+        ("default", None),
+    ],
+)
+def test_make_install_tries_the_chosen_torch_index_first_then_the_default(tmp_path, index, expected):
+    recipe = subprocess.run(
+        ["make", "-n", "-B", "-C", str(ROOT), "install", f"TORCH_INDEX={index}", f"VENV={tmp_path / 'venv'}"],
+        capture_output=True, text=True, timeout=60,
+    ).stdout
+    torch_step = recipe[recipe.index('-c "import torch"') :].split("pip install -q -e")[0]
+    fallback = f'{tmp_path / "venv"}/bin/python -m pip install -q "torch=='
+    assert fallback in torch_step  # the default index, when the first try fails (or is skipped)
+    if expected is None:
+        assert "--index-url" not in torch_step.replace('--index-url ""', "")
+    else:
+        assert expected in torch_step
+        assert torch_step.index(expected) < torch_step.index(fallback)
