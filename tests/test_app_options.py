@@ -22,7 +22,9 @@ from lightning_pin.app.train import PINNED_CKPT, run
 from test_config import CONF, compose_train
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-SHORT = ["trainer.max_epochs=1", "pretrain.max_epochs=1", "trainer.limit_train_batches=3", "trainer.limit_val_batches=2"]
+SHORT = [
+    "trainer.max_epochs=1", "pretrain.max_epochs=1", "trainer.limit_train_batches=3", "trainer.limit_val_batches=2"
+]
 # Options the table names that run elsewhere: a GPU needs a GPU, ddp_sim spawns two processes and
 # Optuna is a sweeper (tests/test_train_app.py runs both through the real command).
 ELSEWHERE = {("trainer", "gpu"), ("trainer", "ddp_sim"), ("hparams_search", "optuna")}

@@ -45,7 +45,8 @@ def test_train_help_lists_every_option_and_hides_the_schema_groups(tmp_path):
     assert result.returncode == 0, result.stderr
     groups = result.stdout.split("== Config (")[0]
     assert "schema" not in groups
-    for group in ("data", "model", "optimizer", "pin", "trainer", "callbacks", "logger", "experiment", "hparams_search"):
+    shown = ("data", "model", "optimizer", "pin", "trainer", "callbacks", "logger", "experiment", "hparams_search")
+    for group in shown:
         line = next((line for line in groups.splitlines() if line.startswith(f"{group}: ")), None)
         assert line is not None, f"train --help lists no {group} group"
         for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):

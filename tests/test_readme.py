@@ -37,7 +37,9 @@ def user_names_used(code: str) -> list[str]:
     for name in USER_NAMES:
         if not re.search(rf"(?<![.\w]){name}(?!\w)", code):
             continue
-        defines = rf"(^\s*{name}\s*(:[^=]*)?=[^=])|(\bas\s+{name}\b)|(^\s*(def|class)\s+{name}\b)|(\bimport\b.*\b{name}\b)"
+        defines = (
+            rf"(^\s*{name}\s*(:[^=]*)?=[^=])|(\bas\s+{name}\b)|(^\s*(def|class)\s+{name}\b)|(\bimport\b.*\b{name}\b)"
+        )
         if not re.search(defines, code, re.M):
             used.append(name)
     return used
@@ -55,7 +57,10 @@ def test_the_readme_has_python_blocks_and_says_whose_names_they_use():
 
 
 def test_the_extraction_finds_indented_blocks_and_spots_the_user_names():
-    text = "intro\n\n```python\nimport torch\nx = model(1)\n```\n\n- item\n\n  ```python\n  model = 1\n  print(model)\n  ```\n"
+    text = (
+        "intro\n\n```python\nimport torch\nx = model(1)\n```\n\n"
+        "- item\n\n  ```python\n  model = 1\n  print(model)\n  ```\n"
+    )
     assert python_blocks(text) == [(3, "import torch\nx = model(1)\n"), (10, "model = 1\nprint(model)\n")]
     assert user_names_used("x = model(1)\nfor b in loader: pass") == ["model", "loader"]
     assert user_names_used("model = 1\nprint(model, my_model, self.optimizer)") == []
@@ -76,4 +81,5 @@ def test_readme_block_runs_as_written(tmp_path, line, code):
     result = subprocess.run(
         [sys.executable, script.name], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT
     )
-    assert result.returncode == 0, f"README.md line {line} failed:\n{code}\n--- output ---\n{result.stdout}{result.stderr}"
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"README.md line {line} failed:\n{code}\n--- output ---\n{output}"

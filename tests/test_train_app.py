@@ -133,7 +133,9 @@ def test_app_error_is_one_line_and_the_traceback_comes_on_request(tmp_path):
     assert len(error) == 1 and "matches no parameter" in error[0], result.stderr
     assert "LIGHTNING_PIN_TRACEBACK=1" in result.stderr and "Traceback" not in result.output
 
-    full = train("pin.params=backbone.nothing.*", f"hydra.run.dir={tmp_path}", cwd=tmp_path, LIGHTNING_PIN_TRACEBACK="1")
+    full = train(
+        "pin.params=backbone.nothing.*", f"hydra.run.dir={tmp_path}", cwd=tmp_path, LIGHTNING_PIN_TRACEBACK="1"
+    )
     assert full.returncode == 1
     assert "Traceback" in full.stderr and "matches no parameter" in full.stderr
 

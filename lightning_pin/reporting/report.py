@@ -381,7 +381,9 @@ def find_metrics_csv(run_dir: Union[str, Path]) -> Path:
     """
     run_dir = Path(run_dir)
     if not run_dir.exists():
-        raise FileNotFoundError(f"{run_dir} does not exist: point at the log directory of a CSVLogger or TensorBoard run")
+        raise FileNotFoundError(
+            f"{run_dir} does not exist: point at the log directory of a CSVLogger or TensorBoard run"
+        )
     if run_dir.is_file():
         return run_dir
     direct = run_dir / METRICS_CSV
