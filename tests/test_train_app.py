@@ -77,6 +77,12 @@ def test_one_epoch_default_run_writes_a_report_with_exact_pins(tmp_path):
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(exported)["backbone.features.0.weight"], pinned["backbone.features.0.weight"])
+    # And back into Python: the run's model from its config, or Lightning's loader with a backbone.
+    from lightning_pin.app.export import load_run_model
+
+    lightning_loaded = Classifier.load_from_checkpoint(tmp_path / "pinned.ckpt", backbone=SmallCNN())
+    for model in (load_run_model(tmp_path), lightning_loaded):
+        assert all(torch.equal(model.state_dict()[name], value) for name, value in pinned.items())
     if importlib.util.find_spec("onnxscript") and importlib.util.find_spec("onnx"):
         assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / "deploy" / "model.onnx")]) == 0
         assert cli.main(["check", str(tmp_path / "pinned.ckpt"), str(tmp_path / "deploy" / "model.onnx")]) == 0
