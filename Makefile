@@ -1,21 +1,38 @@
 # Two commands on a fresh machine:  `make demo` runs the main job, `make test` runs the tests.
-# Each installs what it needs into .venv first (CPU torch before the package, so pip never
-# pulls a multi-GB CUDA build).
+# Each installs what it needs into .venv first: torch from PyTorch's CPU wheel index when that
+# index answers (so pip does not pull a multi-GB CUDA build), else from the default index.
+#   make install TORCH_INDEX=cpu       # default: the CPU index first, then the default index
+#   make install TORCH_INDEX=default   # the default index only (on Linux: the CUDA build)
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cu126   # any index URL
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?= cpu
+ifeq ($(TORCH_INDEX),cpu)
+TORCH_URL := https://download.pytorch.org/whl/cpu
+else ifeq ($(TORCH_INDEX),default)
+TORCH_URL :=
+else
+TORCH_URL := $(TORCH_INDEX)
+endif
 STAMP := $(VENV)/.installed
 
 .PHONY: install demo test clean
 
 install: $(STAMP)
 
+# The CPU index is probed with a short timeout and no retries, so where it cannot be reached
+# (offline mirrors, firewalls) the fallback starts within seconds instead of hanging.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || { \
+	  { test -n "$(TORCH_URL)" && \
+	    $(PY) -m pip install -q --timeout 5 --retries 0 --index-url "$(TORCH_URL)" "$(TORCH_SPEC)"; } || \
+	  { test -z "$(TORCH_URL)" || echo "make: no $(TORCH_SPEC) from $(TORCH_URL); trying the default index"; \
+	    $(PY) -m pip install -q "$(TORCH_SPEC)"; }; }
 	$(PY) -m pip install -q -e ".[dev,app,export]"
 	touch $(STAMP)
 

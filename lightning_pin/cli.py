@@ -1,8 +1,12 @@
-"""The ``lightning-pin`` command: ``train`` (the Hydra app), ``report`` (rebuild a run's report) and ``diff``.
+"""The ``lightning-pin`` command: ``train`` (the Hydra app), ``report``, ``diff``, ``check`` and ``export``.
 
     lightning-pin train [OVERRIDES]     # python -m lightning_pin.train [OVERRIDES]: pretrain, pin, retrain, report
-    lightning-pin report RUN_DIR        # pin_report.json / .png from RUN_DIR/metrics.csv, and a table
+    lightning-pin report RUN_DIR        # pin_report.json / .png from a run's metrics.csv or TensorBoard events
     lightning-pin diff A.ckpt B.ckpt    # what changed between two checkpoints; do saved pins hold in B?
+    lightning-pin check PINNED FILE...  # do the saved pins hold in exported models?
+    lightning-pin export RUN_DIR --to model.safetensors|model.onnx   # an app run's pinned model, exported
+
+Each subcommand is one function (``_<name>(args) -> exit status``) and one entry of :data:`COMMANDS`.
 
 Exit status: 1 when a pin is off target (``diff``: a saved pin does not hold in B), so scripts and
 CI can gate on it; 2 with one line naming the file (and row) when an input is missing, empty or
@@ -19,26 +23,44 @@ from collections.abc import Sequence
 from typing import Optional
 
 
+#: Every subcommand and its one-line summary (the ``--help`` description lists them all).
+SUMMARIES = {
+    "train": "the Hydra app: pretrain, pin, retrain with PinCallback, verify, report",
+    "report": "rebuild a run's pin_report.json / .png from its metrics.csv or TensorBoard events",
+    "diff": "which tensors changed between two checkpoints; do saved pins hold in the second?",
+    "check": "do the pins a checkpoint saved hold, bit for bit, in exported models?",
+    "export": "write an app run's pinned model as .safetensors or .onnx (then `check` it)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from lightning_pin import __version__
+
     parser = argparse.ArgumentParser(
-        prog="lightning-pin", description="Reports of pinned training runs, and checkpoint comparisons."
+        prog="lightning-pin",
+        description="Pin chosen parameters to exact values while the rest trains, and check that they held. "
+        f"Commands: {', '.join(SUMMARIES)} (below; `lightning-pin COMMAND --help` for each).",
     )
+    parser.add_argument("--version", action="version", version=f"lightning-pin {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     # Listed for --help only: main() hands everything after "train" to Hydra untouched.
     train = commands.add_parser(
         "train",
-        help="the Hydra app: pretrain, pin, retrain with PinCallback, verify, report (Hydra overrides follow)",
+        help=SUMMARIES["train"] + " (Hydra overrides follow)",
         description="Same as python -m lightning_pin.train; see `lightning-pin train --help` for Hydra's help.",
     )
     train.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides, -m for a multirun, --cfg job, ...")
 
     report = commands.add_parser(
         "report",
-        help="write pin_report.json and pin_report.png from a CSVLogger run and print the report",
-        description="Rebuild the report of a run from the pin/... columns of its CSVLogger metrics.csv.",
+        help=SUMMARIES["report"],
+        description="Rebuild the report of a run from the pin/... metrics it logged: a CSVLogger's metrics.csv or "
+        "TensorBoard's event files (Lightning's default logger). Never overwrites a file that is not a report.",
     )
-    report.add_argument("run_dir", help="the run's log directory (holding metrics.csv), or a parent of it")
+    report.add_argument(
+        "run_dir", help="the run's log directory (metrics.csv or events.out.tfevents.*), or a parent of it"
+    )
     report.add_argument("--out", help="where to write the report files (default: next to metrics.csv)")
     report.add_argument("--metric", help="name of the tracked metric (default: found in the CSV)")
     report.add_argument("--tolerance", type=float, help="gap that counts as recovered (default: as logged, or 0.01)")
@@ -52,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     diff = commands.add_parser(
         "diff",
-        help="which tensors changed between two checkpoints, and whether saved pins hold in the second",
+        help=SUMMARIES["diff"],
         description="Compare the weights of two checkpoints (Lightning .ckpt, or state dicts in .pt / "
         ".safetensors) and check the pins a saved PinCallback state holds against B. Exit status 1 when a pin "
         "is off target.",
@@ -64,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser(
         "check",
-        help="do the pins a checkpoint saved hold, bit for bit, in exported models (ONNX, safetensors, state dicts)?",
+        help=SUMMARIES["check"],
         description="Compare every pinned element of each exported model with the target the pinned file saved. "
         "Exit status 0: every pin holds bit for bit; 1: a pinned element is off target or a pinned parameter is "
         "missing (an exporter folded or renamed it?); 2: the check could not run. ONNX needs "
@@ -76,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "artifacts", nargs="+", metavar="artifact", help="exported models: .onnx, .safetensors, .pt / .pth / .ckpt"
     )
+
+    export = commands.add_parser(
+        "export",
+        help=SUMMARIES["export"],
+        description="Rebuild the model of a `lightning-pin train` run from its .hydra/config.yaml, load pinned.ckpt "
+        "and write it, parameter names kept, so that `lightning-pin check RUN_DIR/pinned.ckpt FILE` verifies it. "
+        "ONNX needs pip install 'lightning-pin[export]'.",
+    )
+    export.add_argument("run_dir", help="the run directory (outputs/<date>/<time>)")
+    export.add_argument("--to", required=True, help="the file to write: model.safetensors or model.onnx")
     return parser
 
 
@@ -84,11 +116,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["train"]:
         return _train(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "report":
-        return _report(args)
-    if args.command == "check":
-        return _check(args)
-    return _diff(args)
+    return COMMANDS[args.command](args)
 
 
 def _train(overrides: Sequence[str]) -> int:
@@ -125,12 +153,13 @@ def _report(args: argparse.Namespace) -> int:
         report = reporting.report_from_csv(
             csv_path, metric=args.metric, tolerance=args.tolerance, higher_is_better=higher_is_better
         )
-        out = args.out or csv_path.parent
+        out = args.out or (csv_path if csv_path.is_dir() else csv_path.parent)
+        reporting.check_destination(out, plot=not args.no_plot)
         if not args.force:
             reporting.refuse_less_data(report, out)
+        paths = reporting.write_report(report, out, plot=not args.no_plot)
     except (reporting.ReportError, OSError) as err:
         return _fail("report", str(err))
-    paths = reporting.write_report(report, out, plot=not args.no_plot)
     reporting.print_report(report, note=f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
@@ -168,6 +197,23 @@ def _check(args: argparse.Namespace) -> int:
         return 2
     check.print_check(result)
     return 0 if result.holds else 1
+
+
+def _export(args: argparse.Namespace) -> int:
+    from lightning_pin.core.errors import PinError
+
+    try:
+        from lightning_pin.app.export import export_run
+
+        path = export_run(args.run_dir, args.to)
+    except (PinError, ImportError, OSError) as err:
+        return _fail("export", str(err))
+    print(f"wrote {path}; verify it with: lightning-pin check {args.run_dir}/pinned.ckpt {path}")
+    return 0
+
+
+#: The subcommands argparse parses (``train`` goes to Hydra untouched, see :func:`main`).
+COMMANDS = {"report": _report, "diff": _diff, "check": _check, "export": _export}
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ def test_report_on_a_missing_directory_or_one_without_a_csv(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nowhere")]) == 2
     assert f"{tmp_path / 'nowhere'} does not exist" in _one_error_line(capsys, "report")
     assert main(["report", str(tmp_path)]) == 2
-    assert f"no metrics.csv in {tmp_path}" in _one_error_line(capsys, "report")
+    assert f"no metrics.csv or TensorBoard event file in {tmp_path}" in _one_error_line(capsys, "report")
 
 
 def test_report_with_two_tracked_metrics_asks_for_one(tmp_path, capsys):

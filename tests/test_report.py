@@ -108,7 +108,7 @@ def test_report_from_csv_rebuilds_every_number(tmp_path):
     assert report["history"]["pin_drift"]["step"] == [5, 10]
     assert report["history"]["weight_drift"]["by_module"] == {"encoder": [0.0, 2.0, 3.0]}
     # The tolerance and direction come from the pin_report.json written when training started.
-    (run / "pin_report.json").write_text(json.dumps({"metric": "f1", "tolerance": 0.0625, "higher_is_better": True}))
+    (run / "pin_report.json").write_text(json.dumps(make_report(metric="f1", tolerance=0.0625, higher_is_better=True)))
     assert report_from_csv(run)["recovered_step"] == 10
     assert report_from_csv(run, tolerance=0.01)["recovered_step"] is None
 

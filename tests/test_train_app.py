@@ -5,6 +5,7 @@ exact pins, the console script forwards overrides, bad configs fail before train
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,15 +27,15 @@ TINY = ["trainer.max_epochs=1", "pretrain.max_epochs=1", "trainer.limit_train_ba
 CELLS = [(0, 0, 1, 1), (5, 0, 2, 2), (12, 0, 0, 1)]
 
 
-def run(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1")
+def run(args: list[str], cwd: Path, timeout: float = 240, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1", "LIGHTNING_PIN_TRACEBACK": "0", **env_vars}
     result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     result.output = result.stdout + result.stderr
     return result
 
 
-def train(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "lightning_pin.train", *overrides], cwd=cwd)
+def train(*overrides: str, cwd: Path, **env_vars: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "lightning_pin.train", *overrides], cwd=cwd, **env_vars)
 
 
 def state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -68,6 +69,32 @@ def test_one_epoch_default_run_writes_a_report_with_exact_pins(tmp_path):
     # The report rebuilt from the logged CSV, and the checkpoint diff, agree that the pins held.
     assert cli.main(["diff", str(tmp_path / "pretrained.ckpt"), str(tmp_path / "pinned.ckpt"), "--json"]) == 0
     assert (tmp_path / "csv" / "pinned" / "metrics.csv").exists()
+
+    # The README's recipe from the run to a deployable file: export, then check the pins in it.
+    exported = tmp_path / "deploy" / "model.safetensors"
+    assert cli.main(["export", str(tmp_path), "--to", str(exported)]) == 0
+    assert cli.main(["check", str(tmp_path / "pinned.ckpt"), str(exported)]) == 0
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(exported)["backbone.features.0.weight"], pinned["backbone.features.0.weight"])
+    # And back into Python: the run's model from its config, or Lightning's loader with a backbone.
+    from lightning_pin.app.export import load_run_model
+
+    lightning_loaded = Classifier.load_from_checkpoint(tmp_path / "pinned.ckpt", backbone=SmallCNN())
+    for model in (load_run_model(tmp_path), lightning_loaded):
+        assert all(torch.equal(model.state_dict()[name], value) for name, value in pinned.items())
+    if importlib.util.find_spec("onnxscript") and importlib.util.find_spec("onnx"):
+        assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / "deploy" / "model.onnx")]) == 0
+        assert cli.main(["check", str(tmp_path / "pinned.ckpt"), str(tmp_path / "deploy" / "model.onnx")]) == 0
+
+
+def test_export_refuses_what_is_not_a_run_or_a_format(tmp_path, capsys):
+    assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / "model.safetensors")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("lightning-pin export: error: ") and "is not the directory of a finished" in line
+    assert "\n" not in line and not (tmp_path / "model.safetensors").exists()
+    assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / "model.pkl")]) == 2
+    assert "one of .safetensors, .onnx" in capsys.readouterr().err
 
 
 def test_cell_faults_are_drawn_on_the_pretrained_model_and_hold(tmp_path):
@@ -119,6 +146,22 @@ def test_bad_config_fails_before_training(tmp_path, override, message):
     assert result.returncode == 1
     assert message in result.output
     assert "Pretraining" not in result.output and not (tmp_path / "pretrained.ckpt").exists()
+    # The message, not a traceback before it.
+    assert "Traceback" not in result.output and 'File "' not in result.output
+
+
+def test_app_error_is_one_line_and_the_traceback_comes_on_request(tmp_path):
+    result = train("pin.params=backbone.nothing.*", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 1
+    error = [line for line in result.stderr.splitlines() if line.startswith("PinError: ")]
+    assert len(error) == 1 and "matches no parameter" in error[0], result.stderr
+    assert "LIGHTNING_PIN_TRACEBACK=1" in result.stderr and "Traceback" not in result.output
+
+    full = train(
+        "pin.params=backbone.nothing.*", f"hydra.run.dir={tmp_path}", cwd=tmp_path, LIGHTNING_PIN_TRACEBACK="1"
+    )
+    assert full.returncode == 1
+    assert "Traceback" in full.stderr and "matches no parameter" in full.stderr
 
 
 def test_multirun_writes_a_summary_row_per_job(tmp_path):

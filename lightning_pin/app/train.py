@@ -25,6 +25,8 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -37,6 +39,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import get_class, instantiate
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
@@ -47,7 +50,7 @@ from lightning_pin.callbacks.pin_callback import PinCallback
 from lightning_pin.core.io import TensorFileError, load_checkpoint
 from lightning_pin.core.plan import resolve
 from lightning_pin.core.spec import Pin
-from lightning_pin.reporting.report import REPORT_JSON, REPORT_PNG
+from lightning_pin.reporting.report import REPORT_JSON, REPORT_PNG, settled_step
 
 log = logging.getLogger("lightning_pin.train")
 
@@ -91,15 +94,35 @@ def find_config_dir() -> str:
 CONFIG_DIR = find_config_dir()
 
 
+#: Set to 1 (or HYDRA_FULL_ERROR=1) to see the full traceback of an error instead of its one line.
+TRACEBACK_ENV = "LIGHTNING_PIN_TRACEBACK"
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> Optional[float]:
     """Run one job; return ``optimized_metric`` of its summary (what Optuna optimizes).
 
+    An error ends the command with one line on stderr (``PinError: ...``) and exit status 1; the
+    full traceback comes with ``LIGHTNING_PIN_TRACEBACK=1`` or ``HYDRA_FULL_ERROR=1``.
+
     Raises:
-        PinError, ValueError, FileNotFoundError: as :func:`run`.
+        PinError, ValueError, FileNotFoundError: as :func:`run`, when a traceback was asked for.
     """
-    summary = run(cfg)
+    try:
+        summary = run(cfg)
+    except Exception as err:
+        if _traceback_requested():
+            raise
+        # Hydra would print 20-odd lines of traceback before the message that says what to fix.
+        message = " ".join(str(err).split()) or "(no message)"
+        print(f"{type(err).__name__}: {message}", file=sys.stderr)
+        print(f"(full traceback: {TRACEBACK_ENV}=1 or HYDRA_FULL_ERROR=1)", file=sys.stderr, flush=True)
+        sys.exit(1)
     return summary[cfg.optimized_metric]
+
+
+def _traceback_requested() -> bool:
+    return any(os.environ.get(name, "") not in ("", "0") for name in (TRACEBACK_ENV, "HYDRA_FULL_ERROR"))
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -120,6 +143,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     started = time.perf_counter()
     if cfg.optimized_metric not in OPTIMIZABLE:
         raise ValueError(f"optimized_metric={cfg.optimized_metric!r} is not one of {list(OPTIMIZABLE)}")
+    check_lengths(cfg)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -226,6 +250,10 @@ def build_trainer(cfg: DictConfig, phase: str, callbacks: list[pl.Callback], **o
     lightning_log = logging.getLogger("lightning.pytorch")
     level = lightning_log.level
     lightning_log.setLevel(logging.WARNING)
+    if any(isinstance(callback, Checkpoint) for callback in callbacks):
+        # conf/trainer turns Lightning's implicit ModelCheckpoint off; a checkpoint callback the
+        # callbacks group adds (callbacks=checkpoints) needs checkpointing on.
+        overrides.setdefault("enable_checkpointing", True)
     try:
         return make(callbacks=callbacks, logger=loggers, **overrides)
     finally:
@@ -241,6 +269,29 @@ def build_loggers(cfg: DictConfig, phase: str) -> list[Logger]:
         extra = {"version": phase} if accepts_version else {}
         loggers.append(instantiate(node, _partial_=True, _convert_="all")(**extra))
     return loggers
+
+
+def check_lengths(cfg: DictConfig) -> None:
+    """Refuse fits that would never end or never train, before anything is built.
+
+    Lightning reads ``max_epochs=-1`` as "no limit": with no ``max_steps`` the app would retrain for
+    ever. ``max_epochs=0`` retrains nothing, so no pin would ever be applied.
+
+    Raises:
+        ValueError: naming the key and what would be right.
+    """
+    epochs, steps = cfg.trainer.max_epochs, cfg.trainer.get("max_steps", -1)
+    if (epochs is None or epochs < 1) and not (steps is not None and steps > 0):
+        raise ValueError(
+            f"trainer.max_epochs={epochs} "
+            + ("retrains nothing" if epochs == 0 else "would retrain for ever (Lightning reads it as no limit)")
+            + ": give the pinned retraining's length, trainer.max_epochs=1 or more (or trainer.max_steps=N)"
+        )
+    if cfg.pretrain.max_epochs is None or cfg.pretrain.max_epochs < 0:
+        raise ValueError(
+            f"pretrain.max_epochs={cfg.pretrain.max_epochs} would pretrain for ever: give 0 or more epochs "
+            "(or ckpt_path=... to skip the pretraining)"
+        )
 
 
 def check_classes(model: pl.LightningModule, datamodule: pl.LightningDataModule) -> None:
@@ -318,6 +369,8 @@ def make_summary(cfg: DictConfig, report: dict[str, Any], output_dir: Path, seco
         "tags": list(cfg.tags),
         "choices": {g: choices.get(g) for g in ("data", "model", "optimizer", "pin", "trainer", "experiment")},
         **{key: report.get(key) for key in keys},
+        # From this step on, every measured value stayed within the tolerance (None: ended outside).
+        "settled_step": settled_step(report) if report.get("history") else None,
         # verify() raised otherwise: every pinned element equals its target (torch.equal).
         "pins_exact": True,
         "seconds": round(seconds, 1),
@@ -332,12 +385,9 @@ def print_summary(summary: dict[str, Any]) -> None:
     of_trainable = f" of {trainable:,} trainable elements" if trainable else ""
     lines = [f"lightning-pin: {choices or 'run'}", f"  pinned    {summary['pinned_elements'] or 0:,}{of_trainable}"]
     if summary.get("baseline") is not None:
-        recovered = summary.get("recovered_step")
-        within = "not within" if recovered is None else "within"
         lines.append(
             f"  accuracy  baseline {_fmt(summary['baseline'])}  forced {_fmt(summary['forced'])}  "
-            f"final {_fmt(summary['final'])}  (gap to baseline {summary['gap']:+.3f}, {within} "
-            f"{summary['tolerance']:g}" + ("" if recovered is None else f" from step {recovered}") + ")"
+            f"final {_fmt(summary['final'])}  (gap to baseline {summary['gap']:+.3f}, {_recovery(summary)})"
         )
     lines.append(
         "  pins      exact: verified with torch.equal on every pinned element; "
@@ -354,6 +404,16 @@ def print_summary(summary: dict[str, Any]) -> None:
     files = ", ".join(summary["files"] + [RUN_SUMMARY])
     lines.append(f"  run dir   {summary['output_dir']}: {files} (ran in {summary['seconds']:.0f} s)")
     print("\n".join(lines), flush=True)
+
+
+def _recovery(summary: dict[str, Any]) -> str:
+    """What "within the tolerance" can truly say of the whole history (see ``settled_step``)."""
+    tolerance, recovered, settled = summary["tolerance"], summary.get("recovered_step"), summary.get("settled_step")
+    if recovered is None:
+        return f"never within {tolerance:g}"
+    if settled is None:
+        return f"within {tolerance:g} at step {recovered}, then left it: ended outside"
+    return f"within {tolerance:g} from step {settled}"
 
 
 def _fmt(value: Optional[float]) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from lightning_pin.reporting import tensorboard
 from lightning_pin.reporting.preservation import Preservation
 from lightning_pin.reporting.tables import Column, print_table
 
@@ -135,17 +136,22 @@ def write_report(report: Mapping[str, Any], directory: Union[str, Path], plot: b
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    json_path = directory / REPORT_JSON
-    # Write then rename, so a reader never sees half a file.
-    partial = json_path.with_suffix(".json.part")
-    partial.write_text(json.dumps(report, indent=2, allow_nan=True) + "\n")
-    partial.replace(json_path)
-    written = [json_path]
-    if plot:
-        png = plot_report(report, directory / REPORT_PNG)
-        if png is not None:
-            written.append(png)
-    return written
+    json_path, png_path = directory / REPORT_JSON, directory / REPORT_PNG
+    # Both files or neither: each is written beside its place first, and renamed into it only when
+    # both are complete (a reader never sees half a file either).
+    parts = {json_path: json_path.with_name(REPORT_JSON + ".part")}
+    try:
+        parts[json_path].write_text(json.dumps(report, indent=2, allow_nan=True) + "\n")
+        if plot:
+            parts[png_path] = png_path.with_name(REPORT_PNG + ".part")
+            if plot_report(report, parts[png_path]) is None:
+                del parts[png_path]
+        for final, part in parts.items():
+            part.replace(final)
+    finally:
+        for part in parts.values():
+            part.unlink(missing_ok=True)
+    return list(parts)
 
 
 def plot_report(report: Mapping[str, Any], path: Union[str, Path]) -> Optional[Path]:
@@ -165,6 +171,20 @@ def plot_report(report: Mapping[str, Any], path: Union[str, Path]) -> Optional[P
             "lightning-pin: matplotlib is not installed, skipping pin_report.png (pip install 'lightning-pin[app]')"
         )
         return None
+    path = Path(path)
+    build_figure(report, Figure).savefig(path, dpi=110, format="png")
+    return path
+
+
+def build_figure(report: Mapping[str, Any], figure_class: Any = None) -> Any:
+    """The report's matplotlib ``Figure``: one panel per measured history, legends beside the panels
+    (never over the data), zero drifts on a linear axis that starts at 0.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    if figure_class is None:
+        from matplotlib.figure import Figure as figure_class
     history = report["history"]
     panels = []
     if report.get("metric") and history["accuracy"]["step"]:
@@ -175,17 +195,18 @@ def plot_report(report: Mapping[str, Any], path: Union[str, Path]) -> Optional[P
         panels.append(_plot_weight_drift)
     if not panels:
         panels.append(_plot_nothing)
-    fig = Figure(figsize=(8.5, 3.1 * len(panels) + 0.6))
+    fig = figure_class(figsize=(11.5, 3.1 * len(panels) + 0.6))
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)
     for panel, ax in zip(panels, axes[:, 0]):
         panel(ax, report)
         ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            # Beside the panel: inside it, a legend covers the data of runs that go anywhere.
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, framealpha=0.9)
     axes[-1, 0].set_xlabel("optimizer step")
     fig.suptitle(_headline(report), fontsize=10.5)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
 def _headline(report: Mapping[str, Any]) -> str:
@@ -213,10 +234,9 @@ def _plot_metric(ax: Any, report: Mapping[str, Any]) -> None:
         ax.axhline(forced, color="tab:red", ls=":", lw=1.8, label=f"forced (pins set, no training) {_fmt(forced)}")
     if report.get("recovered_step") is not None:
         ax.axvline(report["recovered_step"], color="0.4", ls="-.", lw=1,
-                   label=f"recovered at step {report['recovered_step']}")
+                   label=f"first within tolerance at step {report['recovered_step']}")
     ax.set_ylabel(report["metric"])
     ax.set_title(f"{report['metric']} on the validation data", fontsize=10)
-    ax.legend(loc="lower right" if report["higher_is_better"] else "upper right", fontsize=8, framealpha=0.9)
 
 
 def _plot_pin_drift(ax: Any, report: Mapping[str, Any]) -> None:
@@ -225,13 +245,19 @@ def _plot_pin_drift(ax: Any, report: Mapping[str, Any]) -> None:
     ax.plot(drift["step"], drift["mean"], ".-", color="tab:purple", label="mean |move|")
     if all(v > 0 for v in drift["max"] + drift["mean"]):
         ax.set_yscale("log")
+    else:
+        # A drift of 0 has no logarithm, and a |move| is never negative: a linear axis from 0.
+        top = max(drift["max"] + drift["mean"], default=0.0)
+        ax.set_ylim(0.0, top * 1.1 if top > 0 else 1.0)
+        if top == 0:
+            ax.text(0.5, 0.5, "0 at every logged step: the optimizer never moved a pinned element",
+                    ha="center", va="center", transform=ax.transAxes, fontsize=9, color="0.3")
     bad = [s for s, v in zip(drift["step"], drift["violations"]) if v]
     if bad:
         ax.scatter(bad, [max(drift["max"]) or 1.0] * len(bad), marker="x", color="red", zorder=5,
                    label=f"violations ({report['violations']} elements off target)")
     ax.set_ylabel("|move| in a step")
     ax.set_title("pin drift: how far the optimizer moved the pins in a step (before the restore)", fontsize=10)
-    ax.legend(fontsize=8, framealpha=0.9)
 
 
 def _plot_weight_drift(ax: Any, report: Mapping[str, Any]) -> None:
@@ -244,7 +270,6 @@ def _plot_weight_drift(ax: Any, report: Mapping[str, Any]) -> None:
             ax.plot(drift["step"], values, "-", lw=1, alpha=0.8, label=module)
     ax.set_ylabel("||w - w0||")
     ax.set_title("weight drift: how far the free weights moved to compensate", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", framealpha=0.9)
 
 
 def _plot_nothing(ax: Any, report: Mapping[str, Any]) -> None:
@@ -263,6 +288,36 @@ def _fmt(value: Optional[float]) -> str:
 # The table
 
 
+def settled_step(report: Mapping[str, Any]) -> Optional[int]:
+    """The first step from which every recorded value of the metric stayed within the tolerance
+    (None when the last one is outside it, or nothing was recorded)."""
+    history = report.get("history", {}).get("accuracy", {})
+    baseline, tolerance = report.get("baseline"), report.get("tolerance", 0.01)
+    if baseline is None:
+        return None
+    preservation = Preservation(higher_is_better=report.get("higher_is_better", True), tolerance=tolerance)
+    preservation.baseline = baseline
+    settled = None
+    for step, value in zip(history.get("step", []), history.get("value", [])):
+        if not preservation.within(value):
+            settled = None
+        elif settled is None:
+            settled = int(step)
+    return settled
+
+
+def recovery_text(report: Mapping[str, Any]) -> str:
+    """When the metric came back, true to the whole history: "22", "22, left it again and ended
+    outside", or "not recovered"."""
+    recovered = report.get("recovered_step")
+    if recovered is None:
+        return "not recovered"
+    settled = settled_step(report)
+    if settled is None:
+        return f"{recovered}, then left it and ended outside"
+    return str(recovered) if settled == recovered else f"{recovered} (left it, back for good from step {settled})"
+
+
 def report_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     """The report as ``(quantity, value)`` rows, for the console table."""
     rows = []
@@ -274,10 +329,7 @@ def report_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
             ("forced (pins set, no training)", _fmt(report["forced"])),
             ("final", _fmt(report["final"])),
             ("gap to baseline (positive: worse)", "-" if gap is None else f"{gap:+.4f}"),
-            (
-                f"recovered within {report['tolerance']:g} at step",
-                "not recovered" if report["recovered_step"] is None else str(report["recovered_step"]),
-            ),
+            (f"recovered within {report['tolerance']:g} at step", recovery_text(report)),
         ]
     trainable = report.get("trainable_elements")
     rows.append(
@@ -321,23 +373,52 @@ def print_report(report: Mapping[str, Any], title: str = "lightning-pin report",
 
 
 def find_metrics_csv(run_dir: Union[str, Path]) -> Path:
-    """``RUN_DIR/metrics.csv``, or the newest ``metrics.csv`` below ``RUN_DIR`` (e.g. ``lightning_logs``).
+    """Where a run's metrics are: ``RUN_DIR/metrics.csv``, ``RUN_DIR`` itself when it holds TensorBoard
+    event files, or else the newest of either below ``RUN_DIR`` (e.g. ``lightning_logs``).
 
     Raises:
-        FileNotFoundError: there is no ``metrics.csv`` in or below ``run_dir``.
+        FileNotFoundError: there is no ``metrics.csv`` or TensorBoard event file in or below ``run_dir``.
     """
     run_dir = Path(run_dir)
     if not run_dir.exists():
-        raise FileNotFoundError(f"{run_dir} does not exist: point at the log directory of a CSVLogger run")
+        raise FileNotFoundError(
+            f"{run_dir} does not exist: point at the log directory of a CSVLogger or TensorBoard run"
+        )
     if run_dir.is_file():
         return run_dir
     direct = run_dir / METRICS_CSV
     if direct.exists():
         return direct
-    found = sorted(run_dir.rglob(METRICS_CSV), key=lambda p: p.stat().st_mtime)
+    if tensorboard.has_events(run_dir):
+        return run_dir
+    found = [(p.stat().st_mtime, p) for p in run_dir.rglob(METRICS_CSV)]
+    found += [(p.stat().st_mtime, p.parent) for p in run_dir.rglob(tensorboard.EVENTS_GLOB)]
     if not found:
-        raise FileNotFoundError(f"no {METRICS_CSV} in {run_dir}: point at the log directory of a CSVLogger run")
-    return found[-1]
+        raise FileNotFoundError(
+            f"no {METRICS_CSV} or TensorBoard event file in {run_dir}: point at the log directory of a "
+            "CSVLogger or TensorBoard run"
+        )
+    return max(found, key=lambda item: item[0])[1]
+
+
+def read_run_metrics(path: Union[str, Path]) -> list[dict[str, float]]:
+    """The logged rows of a run: a ``metrics.csv``, or a directory of TensorBoard event files.
+
+    Raises:
+        OSError: the file cannot be opened.
+        ReportError: the CSV is unreadable (see :func:`read_metrics_csv`), the event files hold no
+            scalar, or tensorboard is needed and not installed.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return read_metrics_csv(path)
+    try:
+        rows = tensorboard.read_scalars(path)
+    except tensorboard.TensorBoardMissing as err:
+        raise ReportError(str(err)) from None
+    if not rows:
+        raise ReportError(f"the TensorBoard event files in {path} hold no scalars: the run logged nothing yet")
+    return rows
 
 
 def read_metrics_csv(path: Union[str, Path]) -> list[dict[str, float]]:
@@ -399,7 +480,44 @@ def read_report(path: Union[str, Path]) -> dict[str, Any]:
             raise ReportError(
                 f"{path} is not a valid pin report: {key!r} is {value!r}; fix or delete it to rebuild the report"
             )
+    missing = [key for key in _REPORT_KEYS if key not in report]
+    if missing:
+        # Someone else's JSON under our name: never ours to overwrite.
+        raise ReportError(
+            f"{path} is not a pin report (it has no {', '.join(repr(k) for k in missing)}): not overwriting it; "
+            "move it away, or write the report elsewhere with --out"
+        )
     return report
+
+
+#: Keys every report :func:`make_report` builds holds: a JSON object without them is not ours.
+_REPORT_KEYS = ("pinned_elements", "violations", "history")
+
+
+def check_destination(directory: Union[str, Path], plot: bool = True) -> None:
+    """Raise :class:`ReportError` unless the report files can be written into ``directory`` without
+    replacing anything that is not a report: ``directory`` is a directory (or does not exist yet),
+    an existing ``pin_report.json`` is a pin report, an existing ``pin_report.png`` is a PNG file.
+    """
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ReportError(f"{directory} is a file: the report is written into a directory (pass one with --out)")
+    json_path, png_path = directory / REPORT_JSON, directory / REPORT_PNG
+    if json_path.exists():
+        if not json_path.is_file():
+            raise ReportError(f"{json_path} is not a file: not replacing it; move it away, or use --out")
+        read_report(json_path)
+    if plot and png_path.exists():
+        if not png_path.is_file():
+            raise ReportError(f"{png_path} is not a file: not replacing it; move it away, use --out, or --no-plot")
+        with open(png_path, "rb") as file:
+            if file.read(8) != _PNG_MAGIC:
+                raise ReportError(
+                    f"{png_path} is not a PNG image: not overwriting it; move it away, use --out, or --no-plot"
+                )
+
+
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def report_size(report: Mapping[str, Any]) -> tuple[int, int]:
@@ -439,7 +557,9 @@ def report_from_csv(
     tolerance: Optional[float] = None,
     higher_is_better: Optional[bool] = None,
 ) -> dict[str, Any]:
-    """Rebuild the report of a run from the ``pin/...`` columns of its ``metrics.csv``.
+    """Rebuild the report of a run from the ``pin/...`` metrics it logged: the columns of its
+    ``metrics.csv`` (``CSVLogger``), or the scalars of its TensorBoard event files (Lightning's
+    default logger when tensorboard is installed).
 
     What the CSV cannot hold (the metric's direction and tolerance) comes from the arguments, or
     from the ``pin_report.json`` that :class:`~lightning_pin.PinMonitor` writes next to it when
@@ -450,11 +570,11 @@ def report_from_csv(
         ValueError: the run logged several tracked metrics and ``metric`` does not choose one.
     """
     csv_path = find_metrics_csv(run_dir)
-    rows = read_metrics_csv(csv_path)
+    rows = read_run_metrics(csv_path)
     if not any(key.startswith(PREFIX) for row in rows for key in row):
         raise ReportError(
             f"{csv_path} holds no {PREFIX}... columns: it is not the log of a run trained with PinCallback "
-            "(with its monitor on) and a CSVLogger"
+            "(with its monitor on)"
         )
     # Counts: a NaN or infinite one (a hand-edited or damaged file) cannot be reported.
     for number, row in enumerate(rows, start=1):
@@ -464,8 +584,9 @@ def report_from_csv(
             if key in row and not math.isfinite(row[key]):
                 raise ReportError(f"{csv_path}, row {number}, column {key!r}: {row[key]!r} is not a count")
     existing: dict[str, Any] = {}
-    if (csv_path.parent / REPORT_JSON).exists():
-        existing = read_report(csv_path.parent / REPORT_JSON)
+    log_dir = csv_path if csv_path.is_dir() else csv_path.parent
+    if (log_dir / REPORT_JSON).is_file():
+        existing = read_report(log_dir / REPORT_JSON)
     metric = metric or existing.get("metric") or _discover_metric(rows)
     if tolerance is None:
         tolerance = existing.get("tolerance", 0.01)

@@ -1,0 +1,86 @@
+"""From an app run to a deployable file: rebuild the model the run trained and export it.
+
+    lightning-pin export outputs/<date>/<time> --to model.safetensors   # or model.onnx
+    lightning-pin check outputs/<date>/<time>/pinned.ckpt model.safetensors
+
+The run directory holds what it takes: Hydra's record of the composed config
+(``.hydra/config.yaml``, whose ``model`` node builds the :class:`~lightning_pin.app.models.Classifier`)
+and ``pinned.ckpt`` (the weights after the pinned retraining, with the pin state). The exported
+parameters keep the checkpoint's names (``backbone.features.0.weight``), so ``check`` finds every pin.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Union
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from lightning_pin.core.errors import PinError
+from lightning_pin.core.io import TensorFileError, load_checkpoint
+
+#: What ``--to`` may name.
+FORMATS = (".safetensors", ".onnx")
+
+
+def load_run_model(run_dir: Union[str, Path], checkpoint: str = "pinned.ckpt") -> torch.nn.Module:
+    """The model an app run trained, with the weights of its ``checkpoint``, in eval mode.
+
+    Raises:
+        PinError: ``run_dir`` is not an app run directory (no ``.hydra/config.yaml`` or no
+            checkpoint), or the checkpoint does not fit the model the config describes.
+    """
+    run_dir = Path(run_dir)
+    config, ckpt = run_dir / ".hydra" / "config.yaml", run_dir / checkpoint
+    for path, what in ((config, "Hydra's record of the run's config"), (ckpt, "the pinned model")):
+        if not path.is_file():
+            raise PinError(
+                f"{path} does not exist: {run_dir} is not the directory of a finished `lightning-pin train` run "
+                f"(it needs {what}); pass outputs/<date>/<time>"
+            )
+    cfg = OmegaConf.load(config)
+    # The optimizer is a training concern: the model is built without it (Classifier's default).
+    model = instantiate(cfg.model, _convert_="all")
+    try:
+        state = load_checkpoint(ckpt)["state_dict"]
+    except (TensorFileError, KeyError) as err:
+        raise PinError(f"{ckpt} is not a Lightning checkpoint with a state_dict: {err}") from err
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise PinError(f"{ckpt} does not fit the model of {config}: {' '.join(str(err).split())}") from err
+    return model.eval()
+
+
+def example_input(run_dir: Union[str, Path]) -> torch.Tensor:
+    """One input of the shape the run's model reads (``1 x in_channels x image_size x image_size``)."""
+    backbone = OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml").model.backbone
+    channels, size = backbone.get("in_channels", 1), backbone.get("image_size", 8)
+    return torch.zeros(1, channels, size, size)
+
+
+def export_run(run_dir: Union[str, Path], to: Union[str, Path]) -> Path:
+    """Write the run's pinned model to ``to`` (``.safetensors``: its state dict; ``.onnx``: the graph).
+
+    The ONNX export uses torch's dynamo exporter with ``optimize=False``: its graph optimizer may
+    fold or transpose weights, and then the file would not hold the pinned values
+    (``lightning-pin check`` says which).
+
+    Raises:
+        PinError: ``to`` has another suffix, or ``run_dir`` is not a finished run (see
+            :func:`load_run_model`); ImportError: ``.onnx`` without onnx / onnxscript installed.
+    """
+    to = Path(to)
+    if to.suffix not in FORMATS:
+        raise PinError(f"--to {to}: the export format is chosen by the suffix, one of {', '.join(FORMATS)}")
+    model = load_run_model(run_dir)
+    to.parent.mkdir(parents=True, exist_ok=True)
+    if to.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file({name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}, str(to))
+    else:
+        torch.onnx.export(model, (example_input(run_dir),), str(to), dynamo=True, optimize=False, verbose=False)
+    return to

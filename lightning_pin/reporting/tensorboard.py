@@ -1,0 +1,59 @@
+"""Read the scalars of a TensorBoard run directory (``events.out.tfevents.*``) as ``metrics.csv``-like rows.
+
+Lightning's default logger is TensorBoard when ``tensorboard`` is installed (the ``app`` extra
+installs it), so ``lightning_logs/version_0`` of a plain ``Trainer`` run holds event files, not a
+``metrics.csv``. ``tensorboard`` is imported only when such a directory is read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Union
+
+#: How TensorBoard names its event files.
+EVENTS_GLOB = "events.out.tfevents.*"
+
+
+class TensorBoardMissing(ImportError):
+    """The run logged to TensorBoard, and the ``tensorboard`` package is not installed."""
+
+
+def has_events(directory: Union[str, Path]) -> bool:
+    """Does ``directory`` itself hold TensorBoard event files?"""
+    return Path(directory).is_dir() and any(Path(directory).glob(EVENTS_GLOB))
+
+
+def read_scalars(directory: Union[str, Path]) -> list[dict[str, float]]:
+    """Every scalar of the event files in ``directory``, as rows like ``metrics.csv``'s.
+
+    Each row holds ``step`` and the values logged at that step; a tag logged twice at the same
+    step (a validation and the end of training, say) starts a second row for that step, as
+    ``CSVLogger`` writes one row per ``log_metrics`` call. Rows are in step order.
+
+    Raises:
+        TensorBoardMissing: ``tensorboard`` is not installed.
+    """
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError as err:
+        raise TensorBoardMissing(
+            f"{directory} holds TensorBoard event files; reading them needs tensorboard "
+            "(pip install tensorboard, or pip install 'lightning-pin[app]')"
+        ) from err
+    # size_guidance 0: every event, not TensorBoard's default sample of 10,000 per tag.
+    accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    events = [
+        (event.step, event.wall_time, tag, float(event.value))
+        for tag in accumulator.Tags().get("scalars", [])
+        for event in accumulator.Scalars(tag)
+    ]
+    rows_at: dict[int, list[dict[str, float]]] = {}
+    for step, _, tag, value in sorted(events, key=lambda e: (e[0], e[1])):
+        rows = rows_at.setdefault(step, [])
+        row = next((r for r in rows if tag not in r), None)
+        if row is None:
+            row = {"step": float(step)}
+            rows.append(row)
+        row[tag] = value
+    return [row for step in sorted(rows_at) for row in rows_at[step]]

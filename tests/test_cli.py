@@ -1,0 +1,92 @@
+"""The ``lightning-pin`` command's own surface: ``--version``, a description that names every
+subcommand, and ``train --help`` listing every config option and no internal ``schema/*`` group."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lightning_pin
+from lightning_pin import cli
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"lightning-pin {lightning_pin.__version__}"
+
+
+def test_help_names_every_subcommand(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    subcommands = {"train", *cli.COMMANDS}
+    assert {"train", "report", "diff", "check", "export"} <= subcommands
+    description = out.split("positional arguments")[0]
+    for name in subcommands:
+        assert name in description, f"the description does not name {name}"
+        assert f"    {name} " in out  # listed with its summary
+
+
+def test_train_help_lists_every_option_and_hides_the_schema_groups(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_pin.train", "--help"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    groups = result.stdout.split("== Config (")[0]
+    assert "schema" not in groups
+    shown = ("data", "model", "optimizer", "pin", "trainer", "callbacks", "logger", "experiment", "hparams_search")
+    for group in shown:
+        line = next((line for line in groups.splitlines() if line.startswith(f"{group}: ")), None)
+        assert line is not None, f"train --help lists no {group} group"
+        for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
+            if (group, option) != ("trainer", "default"):  # the base the trainer options extend
+                assert option in line, f"train --help does not list {group}={option}"
+    assert "LIGHTNING_PIN_TRACEBACK=1" in result.stdout
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_app_extra_brings_jsonargparse_and_the_license_file_is_there():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(req.startswith("jsonargparse") for req in project["optional-dependencies"]["app"])
+    assert project["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+@pytest.mark.parametrize(
+    "index,expected",
+    [
+        ("cpu", '--timeout 5 --retries 0 --index-url "https://download.pytorch.org/whl/cpu" "torch=='),
+        ("https://example.org/whl", '--index-url "https://example.org/whl" "torch=='),
+        ("default", None),
+    ],
+)
+def test_make_install_tries_the_chosen_torch_index_first_then_the_default(tmp_path, index, expected):
+    recipe = subprocess.run(
+        ["make", "-n", "-B", "-C", str(ROOT), "install", f"TORCH_INDEX={index}", f"VENV={tmp_path / 'venv'}"],
+        capture_output=True, text=True, timeout=60,
+    ).stdout
+    torch_step = recipe[recipe.index('-c "import torch"') :].split("pip install -q -e")[0]
+    fallback = f'{tmp_path / "venv"}/bin/python -m pip install -q "torch=='
+    assert fallback in torch_step  # the default index, when the first try fails (or is skipped)
+    if expected is None:
+        assert "--index-url" not in torch_step.replace('--index-url ""', "")
+    else:
+        assert expected in torch_step
+        assert torch_step.index(expected) < torch_step.index(fallback)
