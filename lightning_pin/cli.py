@@ -3,6 +3,8 @@
     lightning-pin train [OVERRIDES]     # python -m lightning_pin.train [OVERRIDES]: pretrain, pin, retrain, report
     lightning-pin report RUN_DIR        # pin_report.json / .png from RUN_DIR/metrics.csv, and a table
     lightning-pin diff A.ckpt B.ckpt    # what changed between two checkpoints; do saved pins hold in B?
+    lightning-pin faults [--kind K] [--rates R1,R2] [--seeds N] [--jobs J] [--out DIR] [OVERRIDES]
+                                        # accuracy against the fault rate, forced and retrained (a study)
 
 Exit status: 1 when a pin is off target (``diff``: a saved pin does not hold in B), so scripts and
 CI can gate on it; 2 with one line naming the file (and row) when an input is missing, empty or
@@ -62,6 +64,25 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--changed-only", action="store_true", help="list only the tensors that changed")
     diff.add_argument("--json", action="store_true", help="print the comparison as JSON instead of tables")
 
+    faults = commands.add_parser(
+        "faults",
+        help="a fault study: accuracy against the fault rate, forced and retrained, over seeds (Hydra overrides follow)",
+        description="Pretrain one baseline (or load ckpt_path=), then for every rate x seed draw the faults, measure "
+        "the accuracy with the faults in (forced) and after retraining around them (final, pins verified), and write "
+        "fault_curve.csv and fault_curve.png into --out. The same (rate, seed) always draws the same faults; a rerun "
+        "with the same --out skips finished jobs. Exit status 2 for bad arguments.",
+    )
+    faults.add_argument("--kind", default="value", help="value (stuck at random values), cell (stuck-at-0/1), bit")
+    faults.add_argument("--rates", default="0,0.05,0.1,0.2,0.5", help="fault rates in [0, 1], comma separated "
+                        "(0 is the unfaulted control; default: %(default)s)")
+    faults.add_argument("--seeds", type=int, default=3, help="fault maps per rate (seeds 0..N-1; default: 3)")
+    faults.add_argument("--per-layer", action="store_true",
+                        help="also put the faults in one parameter at a time: layer_sensitivity.csv / .png")
+    faults.add_argument("--layer-rate", type=float, help="the rate of --per-layer (default: the largest of --rates)")
+    faults.add_argument("--jobs", type=int, default=1, help="jobs in parallel (Hydra's joblib launcher)")
+    faults.add_argument("--out", help="the study's directory (default: faults/<date>/<time>)")
+    faults.add_argument("overrides", nargs="*", help="Hydra overrides for every job (recovery=distill, optimizer=sgd)")
+
     check = commands.add_parser(
         "check",
         help="do the pins a checkpoint saved hold, bit for bit, in exported models (ONNX, safetensors, state dicts)?",
@@ -83,11 +104,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:
         return _train(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command != "faults" and extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "report":
         return _report(args)
     if args.command == "check":
         return _check(args)
+    if args.command == "faults":
+        return _faults(args, extra)
     return _diff(args)
 
 
@@ -154,6 +180,18 @@ def _diff(args: argparse.Namespace) -> int:
         # "0 elements changed" between unrelated files would read as "nothing moved".
         return _fail("diff", f"{args.a} and {args.b} cannot be compared: {unrelated}")
     return 0 if result.pins_hold else 1
+
+
+def _faults(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    from lightning_pin.app.study import Study, StudyError, parse_rates, run_study
+
+    try:
+        study = Study(kind=args.kind, rates=parse_rates(args.rates), seeds=args.seeds, per_layer=args.per_layer,
+                      layer_rate=args.layer_rate, jobs=args.jobs, out=args.out,
+                      overrides=(*args.overrides, *extra))
+        return run_study(study)
+    except StudyError as err:
+        return _fail("faults", str(err))
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -38,9 +39,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import get_class, instantiate
 from lightning.pytorch.loggers import Logger
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_pin.app.config import register_configs
+from lightning_pin.app.fault_pins import draw_faults, save_faults
 from lightning_pin.app.pins import fault_map_pins, realize
 from lightning_pin.app.sweep import RUN_SUMMARY
 from lightning_pin.callbacks.pin_callback import PinCallback
@@ -53,6 +55,8 @@ log = logging.getLogger("lightning_pin.train")
 
 PRETRAINED_CKPT = "pretrained.ckpt"
 PINNED_CKPT = "pinned.ckpt"
+#: The faults a ``pin=faults`` job pinned (see :func:`lightning_pin.app.fault_pins.save_faults`).
+FAULT_MAP = "fault_map.pt"
 #: Keys of run_summary.json a sweeper may optimize (``optimized_metric``).
 OPTIMIZABLE = ("baseline", "forced", "final", "gap", "pin_drift_max", "weight_drift", "weight_drift_relative")
 
@@ -114,6 +118,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         FileNotFoundError: ``ckpt_path`` does not exist.
     """
     started = time.perf_counter()
+    finished = Path(cfg.paths.output_dir) / RUN_SUMMARY
+    if cfg.skip_finished and finished.is_file():
+        log.info(f"Skipped: {finished} holds the summary of a finished run (skip_finished=true)")
+        return json.loads(finished.read_text())
     if cfg.optimized_metric not in OPTIMIZABLE:
         raise ValueError(f"optimized_metric={cfg.optimized_metric!r} is not one of {list(OPTIMIZABLE)}")
     if cfg.torch_threads:
@@ -143,6 +151,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         log.info(f"Pretraining {type(model.backbone).__name__} without pins for {cfg.pretrain.max_epochs} epochs")
         pretrainer.fit(model, datamodule)
         pretrainer.save_checkpoint(output_dir / PRETRAINED_CKPT, weights_only=False)
+    if cfg.pretrain.only:
+        summary = make_summary(cfg, {}, output_dir, seconds=time.perf_counter() - started)
+        (output_dir / RUN_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+        log.info(f"Pretrained {output_dir / PRETRAINED_CKPT} (pretrain.only=true: no pinned retraining)")
+        return summary
+    if "rate" in cfg.pin.keys() and pins:
+        save_faults(pins, model, output_dir / FAULT_MAP)  # what a study checks for common random numbers
 
     # 3. Baseline, forced, retraining with the pins (PinMonitor measures at train start).
     pinned = sum(plan.pinned_counts().values())
@@ -156,6 +171,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # 5. The summary.
     report = pin_report(pin_callback, output_dir)
     summary = make_summary(cfg, report, output_dir, seconds=time.perf_counter() - started)
+    summary["train_loss"] = _last_loss(trainer)
+    # SGD with momentum can blow up around large stuck values: say so rather than report a low accuracy.
+    summary["diverged"] = summary["train_loss"] is not None and not math.isfinite(summary["train_loss"])
     (output_dir / RUN_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     print_summary(summary)
     return summary
@@ -178,10 +196,18 @@ def build_pins(pin_cfg: DictConfig, model: torch.nn.Module) -> list[Pin]:
     """
     entries = instantiate(pin_cfg.pins, _convert_="all")
     pins = [realize(Pin.from_config(entry), model) for entry in entries]
+    if "rate" in pin_cfg.keys() and "kind" in pin_cfg.keys():  # pin=faults
+        options = ("low", "high", "sa1_fraction", "cell_high", "bits", "one_fraction")
+        drawn = {key: _plain(pin_cfg[key]) for key in options}
+        pins += draw_faults(model, pin_cfg.kind, pin_cfg.rate, pin_cfg.seed, _plain(pin_cfg.params), **drawn)
     # keys(), not `in`: `in` is False for a missing value (???), which must fail here, not be skipped.
     if "fault_map" in pin_cfg.keys():
         pins += fault_map_pins(pin_cfg.fault_map)
     return pins
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
 def build_pin_callback(cfg: DictConfig, pins: Sequence[Pin]) -> PinCallback:
@@ -293,8 +319,10 @@ def make_summary(cfg: DictConfig, report: dict[str, Any], output_dir: Path, seco
         "weight_drift_relative",
         "steps",
     )
+    fault = {key: _plain(cfg.pin[key]) for key in ("kind", "rate", "seed", "params")} if "rate" in cfg.pin else None
     return {
         "job": int(hydra_cfg.job.num) if multirun else None,
+        "fault": fault,
         "overrides": list(hydra_cfg.overrides.task) if hydra_cfg is not None else [],
         "tags": list(cfg.tags),
         "choices": {g: choices.get(g) for g in ("data", "model", "optimizer", "pin", "trainer", "experiment")},
@@ -335,6 +363,11 @@ def print_summary(summary: dict[str, Any]) -> None:
     files = ", ".join(summary["files"] + [RUN_SUMMARY])
     lines.append(f"  run dir   {summary['output_dir']}: {files} (ran in {summary['seconds']:.0f} s)")
     print("\n".join(lines), flush=True)
+
+
+def _last_loss(trainer: pl.Trainer) -> Optional[float]:
+    loss = trainer.callback_metrics.get("train_loss")
+    return None if loss is None else float(loss)
 
 
 def _fmt(value: Optional[float]) -> str:
