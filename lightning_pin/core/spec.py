@@ -29,7 +29,13 @@ from lightning_pin.core.errors import PinError
 #: Anything that selects or supplies values: tensors, nested lists of numbers, file paths.
 PinValue = Union[None, float, int, Sequence[float], torch.Tensor, str, Mapping[str, Any]]
 
-_FIELDS = ("params", "indices", "mask", "fraction", "seed", "value", "start_step", "stop_step", "when")
+_FIELDS = (
+    "params", "indices", "mask", "fraction", "seed", "value", "start_step", "stop_step", "when",
+    "stuck_at_zero", "stuck_at_one", "bounds",
+)
+#: Fields added with the fault models: fed into the fingerprint only when given, so pins that do
+#: not use them keep the fingerprints (and checkpoint state keys) of earlier releases.
+_FAULT_FIELDS = ("stuck_at_zero", "stuck_at_one", "bounds")
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -61,6 +67,24 @@ class Pin:
             ``bool`` or a 0-d bool tensor (anything else, ``None`` from a forgotten ``return``
             included, raises :class:`~lightning_pin.PinError` before that batch's step). It is
             called once per batch on the host: a device tensor result costs one host read.
+        stuck_at_zero: Stuck bits (a fault model of the stored word): bits of each selected
+            element's bit pattern in the parameter's dtype that always read 0. An ``int`` read as
+            an unsigned pattern (``0x80000000`` is float32's sign bit, ``0x8000`` bfloat16's), a
+            sequence with one int per selected element (in the order of the selection), an
+            integer tensor of the parameter's shape, a dict of those by parameter name, or a
+            ``.pt`` / ``.safetensors`` file holding them. After every optimizer step
+            ``bits = (bits & ~stuck_at_zero) | stuck_at_one`` on the element's own storage; the
+            other bits keep what the optimizer wrote. Gradients and optimizer statistics of
+            these elements are left alone: they keep training within what their free bits allow.
+        stuck_at_one: Stuck bits that always read 1, in the same forms as ``stuck_at_zero``.
+        bounds: ``(low, high)``: after every step the selected elements are clamped into
+            ``[low, high]`` (a bounded cell). ``low`` and ``high`` are each a number, a sequence
+            with one number per selected element, a tensor of the parameter's shape, or a dict
+            of those by parameter name; ``(0.0, math.inf)`` keeps a weight's sign. The elements
+            keep training inside the interval.
+
+    A pin is one of three kinds: a value pin (the default: the element equals its target bit for
+    bit), a stuck-bit pin (``stuck_at_zero`` / ``stuck_at_one``) or a bounded pin (``bounds``).
 
     At most one of ``indices``, ``mask`` and ``fraction`` may be given; none of them pins the
     whole tensor. Building a ``Pin`` checks nothing, since most checks need the model:
@@ -74,7 +98,10 @@ class Pin:
             negative or empty, a ``mask`` that is not bool or selects nothing, ``fraction``
             outside ``(0, 1]``, a ``seed`` or step that is not an integer, ``start_step < 0``,
             ``stop_step <= start_step``, a ``value`` that is a bool, complex, NaN or infinite,
-            or a ``when`` that is neither callable nor an import path. What depends on the model
+            or a ``when`` that is neither callable nor an import path; stuck bits that are not
+            non-negative integers, that overlap (a bit stuck at zero and at one), or given with
+            ``value`` or ``bounds``; ``bounds`` that are not a ``(low, high)`` pair of numbers,
+            hold NaN, have ``low > high`` or are given with ``value``. What depends on the model
             (names, shapes, dtypes, files) is checked when the pin is resolved, before any step.
 
     Example::
@@ -85,6 +112,10 @@ class Pin:
         Pin(params='conv1.weight', indices=[(0, 0, 1, 1)], value=25.0)
         >>> Pin(["fc1.weight", "fc2.weight"], fraction=0.05, seed=1, value=0.0)
         Pin(params=['fc1.weight', 'fc2.weight'], fraction=0.05, seed=1, value=0.0)
+        >>> Pin("fc.weight", indices=[(0, 1), (2, 3)], stuck_at_one=0x40000000)   # exponent MSB stuck at 1
+        Pin(params='fc.weight', indices=[(0, 1), (2, 3)], stuck_at_one=0x40000000)
+        >>> Pin("fc.bias", bounds=(0.0, math.inf))                                 # keeps the sign
+        Pin(params='fc.bias', bounds=(0.0, inf))
     """
 
     params: str | Sequence[str]
@@ -96,6 +127,18 @@ class Pin:
     start_step: int = 0
     stop_step: int | None = None
     when: Callable[[Any, int], bool] | str | None = None
+    stuck_at_zero: Any = None
+    stuck_at_one: Any = None
+    bounds: Any = None
+
+    @property
+    def kind(self) -> str:
+        """``"value"``, ``"stuck_bits"`` or ``"bounds"``: which projection holds the selected elements."""
+        if self.stuck_at_zero is not None or self.stuck_at_one is not None:
+            return "stuck_bits"
+        if self.bounds is not None:
+            return "bounds"
+        return "value"
 
     def __post_init__(self) -> None:
         # Hydra hands over DictConfig / ListConfig: turn them into plain containers once, so the
@@ -138,6 +181,8 @@ class Pin:
         """
         digest = hashlib.sha256()
         for name in _FIELDS:
+            if name in _FAULT_FIELDS and getattr(self, name) is None:
+                continue
             digest.update(name.encode())
             _feed(digest, getattr(self, name))
         return digest.hexdigest()[:16]
@@ -147,7 +192,7 @@ class Pin:
         for field in dataclasses.fields(self)[1:]:
             value = getattr(self, field.name)
             if not _is_default(value, field.default):
-                shown.append(f"{field.name}={_short(value)}")
+                shown.append(f"{field.name}={_short(_hex(value) if field.name.startswith('stuck') else value)}")
         return f"Pin({', '.join(shown)})"
 
 
@@ -161,6 +206,23 @@ def _plain(value: Any) -> Any:
         return tuple(_plain(v) for v in value)
     if isinstance(value, Sequence):
         return [_plain(v) for v in value]
+    return value
+
+
+class _Hex(int):
+    """An int shown in hex: bit masks read better as 0x80000000 than as 2147483648."""
+
+    def __repr__(self) -> str:
+        return hex(self)
+
+
+def _hex(value: Any) -> Any:
+    if _is_int(value):
+        return _Hex(value)
+    if isinstance(value, list):
+        return [_hex(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_hex(v) for v in value)
     return value
 
 
@@ -262,6 +324,184 @@ def _check_fields(pin: Pin) -> None:
     else:
         check_value(pin, pin.value)
     when_path(pin)
+    _check_faults(pin)
+
+
+def _check_faults(pin: Pin) -> None:
+    """Stuck bits and bounds: their forms, and the combinations no element can satisfy."""
+    zero, one = pin.stuck_at_zero, pin.stuck_at_one
+    for name, raw in (("stuck_at_zero", zero), ("stuck_at_one", one)):
+        if isinstance(raw, Mapping):
+            for key, entry in raw.items():
+                check_bits(pin, name, entry, f" for {key!r}")
+        else:
+            check_bits(pin, name, raw)
+    if pin.kind == "stuck_bits" and pin.value is not None:
+        raise PinError(
+            f"{pin!r}: value and stuck bits on the same pin: a value fixes every bit of the element; give either "
+            "value= (the whole element) or stuck_at_zero= / stuck_at_one= (some of its bits)"
+        )
+    if pin.kind == "stuck_bits" and pin.bounds is not None:
+        raise PinError(
+            f"{pin!r}: stuck bits and bounds on the same pin: clamping can undo a stuck bit and a stuck bit can "
+            "leave the interval; put them on different elements (two pins)"
+        )
+    if not isinstance(zero, (Mapping, str, Path)) and not isinstance(one, (Mapping, str, Path)):
+        both = overlapping_bits(zero, one)
+        if both is not None:
+            raise PinError(
+                f"{pin!r}: stuck_at_zero and stuck_at_one overlap ({both}): a bit cannot be stuck at 0 and at 1"
+            )
+    if pin.bounds is not None:
+        check_bounds(pin, pin.bounds)
+        if pin.value is not None:
+            raise PinError(
+                f"{pin!r}: value and bounds on the same pin: a value fixes the element, bounds let it train inside "
+                "an interval; give one of them"
+            )
+
+
+def check_bits(pin: Pin, name: str, raw: Any, where: str = "") -> None:
+    """Stuck bits must be non-negative ints, sequences of them, an integer tensor, or a file path.
+
+    How wide they may be depends on the parameter's dtype: the plan checks that.
+    """
+    if raw is None or isinstance(raw, (str, Path)):
+        if isinstance(raw, (str, Path)) and where:
+            raise PinError(f"{pin!r}: {name}{where} must be ints or an integer tensor, got the path {str(raw)!r}")
+        return
+    if isinstance(raw, torch.Tensor):
+        if raw.dtype == torch.bool or raw.is_floating_point() or raw.is_complex():
+            raise PinError(
+                f"{pin!r}: {name}{where} is a {raw.dtype} tensor; bit masks are integer tensors (e.g. int64 holding "
+                "0x80000000, or the int32 view of a float32 pattern)"
+            )
+        return
+    if _is_int(raw):
+        leaves: list[Any] = [raw]
+    elif isinstance(raw, Sequence) and not isinstance(raw, bytes):
+        leaves = list(number_leaves(raw))
+        if not leaves:
+            raise PinError(f"{pin!r}: {name}{where} is an empty sequence; give one int per selected element")
+    else:
+        raise PinError(
+            f"{pin!r}: {name}{where} must be an int bit mask (e.g. 0x80000000), one int per selected element, an "
+            f"integer tensor, a dict of them by parameter name or a .pt / .safetensors path; got {_clip(raw)}"
+        )
+    odd = [x for x in leaves if not _is_int(x)]
+    if odd:
+        raise PinError(f"{pin!r}: {name}{where} must hold ints (bit masks), got {_clip(odd[0])}")
+    negative = [x for x in leaves if x < 0]
+    if negative:
+        raise PinError(
+            f"{pin!r}: {name}{where} holds negative masks {negative[:3]}: masks are read as unsigned bit patterns; "
+            f"write the sign bit of float32 as 0x80000000"
+        )
+
+
+def overlapping_bits(zero: Any, one: Any) -> str | None:
+    """A description of the first bit stuck both at 0 and 1, where it can be told without a module."""
+
+    def flat(raw: Any) -> list[int] | torch.Tensor | None:
+        if raw is None:
+            return None
+        if isinstance(raw, torch.Tensor):
+            return raw.detach().cpu().to(torch.int64).reshape(-1) if raw.dtype != torch.uint64 else None
+        if _is_int(raw):
+            return [raw]
+        return [int(x) for x in number_leaves(raw)]
+
+    a, b = flat(zero), flat(one)
+    if a is None or b is None:
+        return None
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        ta = a if isinstance(a, torch.Tensor) else torch.tensor([x & 0xFFFFFFFFFFFFFFFF for x in a]).to(torch.int64)
+        tb = b if isinstance(b, torch.Tensor) else torch.tensor([x & 0xFFFFFFFFFFFFFFFF for x in b]).to(torch.int64)
+        if ta.numel() != tb.numel() and 1 not in (ta.numel(), tb.numel()):
+            return None
+        both = ta & tb
+        hit = both != 0
+        if not bool(hit.any()):
+            return None
+        at = int(hit.to(torch.int8).argmax())
+        return f"element {at}: bits {int(both[at]) & 0xFFFFFFFFFFFFFFFF:#x}"
+    if len(a) != len(b) and 1 not in (len(a), len(b)):
+        return None
+    for at in range(max(len(a), len(b))):
+        both = a[at if len(a) > 1 else 0] & b[at if len(b) > 1 else 0]
+        if both:
+            return f"bits {both:#x}" if max(len(a), len(b)) == 1 else f"element {at}: bits {both:#x}"
+    return None
+
+
+def check_bounds(pin: Pin, bounds: Any) -> None:
+    """``bounds`` must be a ``(low, high)`` pair of numbers / sequences / tensors / dicts, no NaN, ``low <= high``."""
+    if isinstance(bounds, (str, bytes, Mapping, torch.Tensor)) or not isinstance(bounds, Sequence) or len(bounds) != 2:
+        raise PinError(
+            f"{pin!r}: bounds must be a pair (low, high), e.g. bounds=(-0.5, 0.5) or (0.0, math.inf); got "
+            f"{_clip(bounds)}"
+        )
+    for side, raw in zip(("low", "high"), bounds):
+        if isinstance(raw, Mapping):
+            for key, entry in raw.items():
+                _check_bound(pin, side, entry, f" for {key!r}")
+        else:
+            _check_bound(pin, side, raw, "")
+    low, high = bounds
+    if isinstance(low, Mapping) or isinstance(high, Mapping):
+        return
+    lo, hi = _bound_tensor(low), _bound_tensor(high)
+    if lo.numel() != hi.numel() and 1 not in (lo.numel(), hi.numel()) and lo.shape != hi.shape:
+        return  # shapes are checked against the selection by the plan
+    try:
+        wrong = lo > hi
+    except RuntimeError:
+        return
+    if bool(wrong.any()):
+        at = int(wrong.reshape(-1).to(torch.int8).argmax())
+        lo_at = lo.reshape(-1)[at if lo.numel() > 1 else 0].item()
+        hi_at = hi.reshape(-1)[at if hi.numel() > 1 else 0].item()
+        where = "" if wrong.numel() == 1 else f" at element {at}"
+        raise PinError(f"{pin!r}: bounds have low > high{where} ({lo_at} > {hi_at}); give low <= high")
+
+
+def _bound_tensor(raw: Any) -> torch.Tensor:
+    if isinstance(raw, torch.Tensor):
+        return raw.detach().cpu().to(torch.float64)
+    return torch.tensor(list(number_leaves(raw)) if not isinstance(raw, numbers.Number) else [raw], dtype=torch.float64)
+
+
+def _check_bound(pin: Pin, side: str, raw: Any, where: str) -> None:
+    what = f"bounds {side}{where}"
+    if raw is None or isinstance(raw, (str, bytes, Path)):
+        raise PinError(
+            f"{pin!r}: {what} is {_clip(raw)}; give a number, one number per selected element or a tensor "
+            f"(use math.inf / -math.inf for no {side} bound)"
+        )
+    if _is_bool(raw) or (isinstance(raw, torch.Tensor) and raw.dtype == torch.bool):
+        raise PinError(f"{pin!r}: {what} is a bool; give numbers")
+    if isinstance(raw, torch.Tensor):
+        if raw.is_complex():
+            raise PinError(f"{pin!r}: {what}: complex bounds are not supported")
+        values = raw.detach().cpu().to(torch.float64).reshape(-1)
+    elif isinstance(raw, numbers.Number) or (isinstance(raw, Sequence) and not isinstance(raw, bytes)):
+        leaves = [raw] if isinstance(raw, numbers.Number) else list(number_leaves(raw))
+        if not leaves:
+            raise PinError(f"{pin!r}: {what} is an empty sequence; give one number per selected element")
+        odd = [x for x in leaves if _is_bool(x) or not isinstance(x, numbers.Real)]
+        if odd:
+            raise PinError(f"{pin!r}: {what} must hold real numbers, got {_clip(odd[0])}")
+        values = torch.tensor([float(x) for x in leaves], dtype=torch.float64)
+    else:
+        raise PinError(f"{pin!r}: {what} must be a number, a sequence of numbers or a tensor; got {_clip(raw)}")
+    if bool(values.isnan().any()):
+        raise PinError(f"{pin!r}: {what} holds NaN; give numbers (math.inf for no bound)")
+    wrong_inf = math.inf if side == "low" else -math.inf
+    if bool((values == wrong_inf).any()):
+        raise PinError(
+            f"{pin!r}: {what} holds {wrong_inf}: no finite weight lies in such an interval; "
+            f"use {-wrong_inf} for no {side} bound"
+        )
 
 
 def _check_params(pin: Pin) -> None:

@@ -8,7 +8,11 @@ so ``torch.load(weights_only=True)`` reads it. Reading validates every field and
 
 Versions: 1 (lightning-pin 0.1) had no ``step``; 2 adds ``step``, the optimizer steps the
 torch-native front door counted (``None`` under Lightning, whose ``global_step`` is saved by
-the trainer).
+the trainer); 3 adds the fault models: each selection has a ``kind`` (``"value"``,
+``"stuck_bits"``, ``"bounds"``), stuck-bit masks (``stuck_at_zero`` / ``stuck_at_one``, in the
+signed integer type of the parameter's width: int32 for float32, int16 for bfloat16 / float16,
+int64 for float64, so ``0x80000000`` is saved as ``-2**31``) and bounds (``low`` / ``high``, in the
+parameter's dtype). A version 1-2 state holds value pins only and reads as ``kind="value"``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,16 @@ from torch import Tensor
 from lightning_pin.core.errors import PinError
 
 #: The version :meth:`PinState.to_dict` writes.
-STATE_VERSION = 2
+STATE_VERSION = 3
+#: The kinds of selection a state holds (one per projection, see :mod:`lightning_pin.core.projections`).
+KINDS = ("value", "stuck_bits", "bounds")
+#: The signed integer type whose bits are a float type's bits (stuck-bit masks are saved in it).
+BITS_DTYPES = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
 #: Prefix of the callback-state keys of :class:`~lightning_pin.PinCallback` in a Lightning checkpoint.
 CALLBACK_KEY_PREFIX = "PinCallback"
 
@@ -44,6 +57,16 @@ class SavedSelection:
     target: Optional[Tensor]
     #: Whether the target came from the spec (True) or was captured at activation (False).
     explicit: bool
+    #: Which projection holds the elements: ``"value"`` (``target``), ``"stuck_bits"``
+    #: (``stuck_at_zero`` / ``stuck_at_one``) or ``"bounds"`` (``low`` / ``high``).
+    kind: str = "value"
+    #: Stuck-bit masks, one per index (the parameter's shape for a whole tensor), in the signed
+    #: integer type of the parameter's width (see :data:`BITS_DTYPES`).
+    stuck_at_zero: Optional[Tensor] = None
+    stuck_at_one: Optional[Tensor] = None
+    #: Bounds, one per index (the parameter's shape for a whole tensor), in the parameter's dtype.
+    low: Optional[Tensor] = None
+    high: Optional[Tensor] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,17 +99,7 @@ class PinState:
             "active": sorted(self.active),
             "last_step_active": None if self.last_step_active is None else sorted(self.last_step_active),
             "step": self.step,
-            "pins": [
-                {
-                    name: {
-                        "index": None if s.index is None else s.index.detach().cpu().clone(),
-                        "target": None if s.target is None else s.target.detach().cpu().clone(),
-                        "explicit": s.explicit,
-                    }
-                    for name, s in selections.items()
-                }
-                for selections in self.pins
-            ],
+            "pins": [{name: _saved_form(s) for name, s in selections.items()} for selections in self.pins],
         }
         if self.monitor is not None:
             state["monitor"] = dict(self.monitor)
@@ -125,7 +138,7 @@ class PinState:
             raise corrupt(f"'pins' must be a list with one dict per pin, got {_show(saved_pins)}")
         if len(fingerprints) != len(saved_pins):
             raise corrupt(f"{len(fingerprints)} fingerprints for {len(saved_pins)} pins")
-        pins = tuple(_read_pin(pin_id, entry, corrupt) for pin_id, entry in enumerate(saved_pins))
+        pins = tuple(_read_pin(pin_id, entry, corrupt, version) for pin_id, entry in enumerate(saved_pins))
         active = _read_ids(raw["active"], "active", len(pins), corrupt)
         last = raw.get("last_step_active")
         last_step_active = None if last is None else _read_ids(last, "last_step_active", len(pins), corrupt)
@@ -138,7 +151,19 @@ class PinState:
         return cls(tuple(fingerprints), pins, active, last_step_active, step, monitor)
 
 
-def _read_pin(pin_id: int, entry: Any, corrupt: Any) -> dict[str, SavedSelection]:
+def _saved_form(s: SavedSelection) -> dict[str, Any]:
+    def cpu(tensor: Optional[Tensor]) -> Optional[Tensor]:
+        return None if tensor is None else tensor.detach().cpu().clone()
+
+    form: dict[str, Any] = {"index": cpu(s.index), "target": cpu(s.target), "explicit": s.explicit, "kind": s.kind}
+    if s.kind == "stuck_bits":
+        form.update(stuck_at_zero=cpu(s.stuck_at_zero), stuck_at_one=cpu(s.stuck_at_one))
+    elif s.kind == "bounds":
+        form.update(low=cpu(s.low), high=cpu(s.high))
+    return form
+
+
+def _read_pin(pin_id: int, entry: Any, corrupt: Any, version: int) -> dict[str, SavedSelection]:
     if not isinstance(entry, Mapping):
         raise corrupt(f"pin {pin_id} must be a dict by parameter name, got {_show(entry)}")
     selections = {}
@@ -166,10 +191,46 @@ def _read_pin(pin_id: int, entry: Any, corrupt: Any) -> dict[str, SavedSelection
                 raise corrupt(f"{at}: {index.numel()} indices but targets of shape {tuple(target.shape)}")
             if explicit and target.is_floating_point() and not bool(torch.isfinite(target).all()):
                 raise corrupt(f"{at}: explicit targets hold NaN or infinity, which no spec can give")
-        elif explicit:
-            raise corrupt(f"{at}: an explicit pin without a target")
-        selections[name] = SavedSelection(index, target, explicit)
+        kind = saved.get("kind", "value") if version >= 3 else "value"
+        if kind not in KINDS:
+            raise corrupt(f"{at}: 'kind' is {kind!r}, not one of {list(KINDS)}")
+        if kind == "value":
+            if target is None and explicit:
+                raise corrupt(f"{at}: an explicit pin without a target")
+            selections[name] = SavedSelection(index, target, explicit)
+            continue
+        if target is not None or not explicit:
+            raise corrupt(f"{at}: a {kind} selection holds no target and is explicit (it comes from the spec)")
+        shape = None if index is None else (index.numel(),)
+        if kind == "stuck_bits":
+            zero, one = (_read_field(saved, key, at, shape, corrupt) for key in ("stuck_at_zero", "stuck_at_one"))
+            for key, mask in (("stuck_at_zero", zero), ("stuck_at_one", one)):
+                if mask.dtype not in BITS_DTYPES.values():
+                    raise corrupt(f"{at}: {key!r} must be an int16/int32/int64 tensor, got {_show(mask)}")
+            if zero.dtype != one.dtype or zero.shape != one.shape:
+                raise corrupt(f"{at}: 'stuck_at_zero' and 'stuck_at_one' differ in dtype or shape")
+            if bool((zero & one).any()):
+                raise corrupt(f"{at}: a bit is stuck at zero and at one")
+            selections[name] = SavedSelection(index, None, True, kind, stuck_at_zero=zero, stuck_at_one=one)
+        else:
+            low, high = (_read_field(saved, key, at, shape, corrupt) for key in ("low", "high"))
+            if low.dtype != high.dtype or low.shape != high.shape or low.dtype == torch.bool or low.is_complex():
+                raise corrupt(f"{at}: 'low' and 'high' must be real tensors of one dtype and shape")
+            if low.is_floating_point() and bool((low.isnan() | high.isnan()).any()):
+                raise corrupt(f"{at}: bounds hold NaN")
+            if bool((low > high).any()):
+                raise corrupt(f"{at}: bounds with low > high")
+            selections[name] = SavedSelection(index, None, True, kind, low=low, high=high)
     return selections
+
+
+def _read_field(saved: Mapping[str, Any], key: str, at: str, shape: Optional[tuple[int, ...]], corrupt: Any) -> Tensor:
+    value = saved.get(key)
+    if not isinstance(value, Tensor):
+        raise corrupt(f"{at}: {key!r} must be a tensor, got {_show(value)}")
+    if shape is not None and tuple(value.shape) != shape:
+        raise corrupt(f"{at}: {shape[0]} indices but {key!r} of shape {tuple(value.shape)}")
+    return value
 
 
 def _read_ids(raw: Any, key: str, count: int, corrupt: Any) -> frozenset[int]:
