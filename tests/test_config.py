@@ -63,7 +63,7 @@ def test_every_group_has_its_options():
     assert options("model") == ["cnn", "mlp", "transformer"]
     assert options("data") == ["digits", "synthetic"]
     assert {"sgd", "adam", "adamw"} <= set(options("optimizer"))
-    assert options("pin") == ["elements", "fault_map", "fraction", "freeze_layers", "none", "per_task"]
+    assert options("pin") == ["elements", "fault_map", "faults", "fraction", "freeze_layers", "none", "per_task"]
     assert {"cpu", "ddp_sim", "gpu"} <= set(options("trainer"))
     assert {"csv", "tensorboard"} <= set(options("logger"))
     assert options("hparams_search") == ["optuna"]

@@ -178,9 +178,8 @@ def _baseline(study: Study, out: Path, log_path: Path) -> Optional[str]:
         print(f"baseline: {ckpt} (reused)", flush=True)
         return str(ckpt)
     print("baseline: pretraining once ...", flush=True)
-    # The pin options do not apply to the baseline (pin=none takes none); everything else does.
-    overrides = [o for o in study.overrides if not o.lstrip("+~").startswith("pin.")]
-    args = _app([*overrides, "pin=none", "pretrain.only=true", f"hydra.run.dir={directory}"])
+    # Rate 0 pins nothing (an experiment's pin options still apply, and a bad pin.params fails here).
+    args = _app([*study.overrides, "pin=faults", "pin.rate=0.0", "pretrain.only=true", f"hydra.run.dir={directory}"])
     with open(log_path, "a") as log:
         log.write(f"$ {' '.join(args)}\n")
         log.flush()

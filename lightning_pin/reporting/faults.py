@@ -177,7 +177,7 @@ def plot_curve(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -
         return None
     points = aggregate(rows, "rate")
     rates = [100 * p["rate"] for p in points]
-    fig = Figure(figsize=(6.4, 4.2), dpi=120)
+    fig = Figure(figsize=(6.4, 4.8), dpi=120)
     ax = fig.subplots()
     baseline = next((r["baseline"] for r in rows if r.get("baseline") is not None), None)
     tolerance = next((r["tolerance"] for r in rows if r.get("tolerance") is not None), None)
@@ -191,15 +191,17 @@ def plot_curve(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -
         mean = [p[f"{column}_mean"] for p in points]
         ci = [p[f"{column}_ci"] if not math.isnan(p[f"{column}_ci"]) else 0.0 for p in points]
         ax.plot(rates, mean, marker="o", color=color, label=label)
-        ax.fill_between(rates, [m - c for m, c in zip(mean, ci)], [m + c for m, c in zip(mean, ci)],
+        # An accuracy lies in [0, 1]: a t interval over few seeds can reach past it, the band does not.
+        ax.fill_between(rates, [max(0.0, m - c) for m, c in zip(mean, ci)], [min(1.0, m + c) for m, c in zip(mean, ci)],
                         color=color, alpha=0.18, lw=0)
     kind = next((r.get("kind") for r in rows if r.get("kind")), "")
     seeds = max((p["seeds"] for p in points), default=0)
     ax.set_xlabel(f"fault rate (% of cells, kind={kind})")
     ax.set_ylabel("validation accuracy")
+    ax.set_ylim(0.0, 1.02)
     ax.set_title(title or f"Accuracy against fault rate: mean of {seeds} seed(s), 95% CI")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower left", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path)
     return path
