@@ -37,6 +37,7 @@ BASELINE_DIR = "baseline"
 JOBS_DIR = "jobs"
 LAYERS_DIR = "layers"
 LOG = "study.log"
+STUDY_JSON = "study.json"
 PRETRAINED = "pretrained.ckpt"
 
 
@@ -108,6 +109,7 @@ def run_study(study: Study) -> int:
     study.check()
     out = Path(study.out or Path("faults") / datetime.now().strftime("%Y-%m-%d") / datetime.now().strftime("%H-%M-%S"))
     out.mkdir(parents=True, exist_ok=True)
+    _claim(out, study)
     log_path = out / LOG
     print(f"lightning-pin faults: kind={study.kind} rates={','.join(f'{r:g}' for r in study.rates)} "
           f"seeds={study.seeds} into {out} (log: {log_path})", flush=True)
@@ -148,6 +150,26 @@ def run_study(study: Study) -> int:
         report.print_curve(layer_rows, f"faults in one parameter at a time, rate {rate:g}", by="param")
     print(f"wrote {', '.join(str(p) for p in written)} in {time.perf_counter() - started:.0f} s", flush=True)
     return 0
+
+
+def _claim(out: Path, study: Study) -> None:
+    """Record the recipe in DIR/study.json; refuse a DIR that holds another recipe's jobs.
+
+    Job directories are named by (kind, rate, seed) only, so finished jobs of one recipe would be
+    taken for the other's. Other rates or seeds with the same recipe extend the study.
+    """
+    path = out / STUDY_JSON
+    recipe = {"overrides": list(study.overrides)}
+    if path.is_file():
+        held = json.loads(path.read_text())
+        if held.get("overrides") != recipe["overrides"]:
+            raise StudyError(
+                f"{out} holds a study with the overrides {held.get('overrides')}, not {recipe['overrides']}: "
+                "give this recipe its own --out (and ckpt_path=<the first study>/baseline/pretrained.ckpt to share "
+                "its baseline)"
+            )
+        return
+    path.write_text(json.dumps(recipe, indent=2) + "\n")
 
 
 def _list(rates: Sequence[float]) -> str:

@@ -1,0 +1,134 @@
+"""``lightning-pin faults`` on a tiny budget (2 rates x 2 seeds, one epoch): the CSV with every column and the
+PNG, identical faults for the same (rate, seed) whatever the recipe, ``--jobs 2`` equal to ``--jobs 1``, resume,
+per-layer sensitivity, and bad arguments exiting 2 with one line."""
+
+from __future__ import annotations
+
+import csv
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_pin import cli
+from lightning_pin.reporting import faults as report
+
+TINY = ["pretrain.max_epochs=1", "trainer.max_epochs=1", "trainer.limit_train_batches=6", "data.batch_size=128"]
+RATES = "0,0.2"
+
+
+def faults(*args: str) -> int:
+    return cli.main(["faults", *args])
+
+
+def rows(directory: Path, name: str = report.FAULT_CURVE_CSV) -> list[dict[str, str]]:
+    with open(directory / name, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def bits(path: Path) -> dict[str, torch.Tensor]:
+    """A saved fault map as raw bits, so NaN (healthy) cells compare equal too."""
+    saved = torch.load(path, weights_only=True)
+    return {name: tensor.view(torch.int32) for name, tensor in saved.items()}
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study")
+    status = faults("--rates", RATES, "--seeds", "2", "--per-layer", "--out", str(out), *TINY)
+    assert status == 0, (out / "study.log").read_text()[-3000:]
+    return out
+
+
+def test_writes_every_column_the_png_and_a_table(study, capsys):
+    table = rows(study)
+    assert list(table[0]) == list(report.COLUMNS)
+    assert [(r["kind"], float(r["rate"]), int(r["seed"])) for r in table] == [
+        ("value", 0.0, 0), ("value", 0.0, 1), ("value", 0.2, 0), ("value", 0.2, 1)]
+    for row in table:
+        assert row["pins_exact"] == "true" and row["diverged"] == "false"
+        assert 0 <= float(row["forced"]) <= 1 and 0 <= float(row["final"]) <= 1
+        assert math.isclose(float(row["gap"]), float(row["baseline"]) - float(row["final"]), abs_tol=1e-6)
+    # One baseline for every job; the control (rate 0) pins nothing and starts from it untouched.
+    assert len({r["baseline"] for r in table}) == 1
+    control, faulty = table[0], table[2]
+    assert control["pinned_elements"] == "0" and control["forced"] == control["baseline"]
+    assert int(faulty["pinned_elements"]) == round(0.2 * 16 * 9) + round(0.2 * 32 * 16 * 9)
+    assert float(faulty["forced"]) < float(faulty["baseline"])  # stuck values in [-2, 2) hurt before retraining
+    png = study / report.FAULT_CURVE_PNG
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
+    # --per-layer: one parameter at a time, at the largest rate
+    layers = rows(study, report.LAYER_CSV)
+    assert sorted({r["param"] for r in layers}) == ["backbone.features.0.weight", "backbone.features.2.weight"]
+    assert {float(r["rate"]) for r in layers} == {0.2} and len(layers) == 4
+    assert (study / report.LAYER_PNG).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_same_rate_and_seed_draw_the_same_faults_whatever_the_recipe(study, tmp_path):
+    other = tmp_path / "sgd"
+    ckpt = study / "baseline" / "pretrained.ckpt"
+    status = faults("--rates", "0.2", "--seeds", "1", "--out", str(other), *TINY, f"ckpt_path={ckpt}", "optimizer=sgd")
+    assert status == 0, (other / "study.log").read_text()[-3000:]
+    first, again = bits(study / "jobs/value_rate0.2_seed0/fault_map.pt"), bits(other / "jobs/value_rate0.2_seed0/fault_map.pt")
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+    # ... and another seed draws other faults (the check above can fail).
+    seed1 = bits(study / "jobs/value_rate0.2_seed1/fault_map.pt")
+    assert not all(torch.equal(first[k], seed1[k]) for k in first)
+    # The same baseline and faults, another optimizer: forced equal, final not.
+    a, b = rows(study)[2], rows(other)[0]
+    assert (a["baseline"], a["forced"]) == (b["baseline"], b["forced"]) and a["final"] != b["final"]
+
+
+def test_two_parallel_jobs_give_the_numbers_of_one(study, tmp_path):
+    parallel = tmp_path / "parallel"
+    ckpt = study / "baseline" / "pretrained.ckpt"
+    # The fixture's recipe had no ckpt_path: a new directory for a new recipe (see test_resume... below).
+    status = faults("--rates", "0.2", "--seeds", "2", "--jobs", "2", "--out", str(parallel), *TINY, f"ckpt_path={ckpt}")
+    assert status == 0, (parallel / "study.log").read_text()[-3000:]
+    numbers = ("kind", "rate", "seed", "baseline", "forced", "final", "recovered_step", "pinned_elements")
+    assert [[r[c] for c in numbers] for r in rows(parallel)] == [[r[c] for c in numbers] for r in rows(study)[2:]]
+    assert "hydra/launcher=joblib" in (parallel / "study.log").read_text()
+
+
+def test_rerun_skips_finished_jobs(study, tmp_path):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(study, resumed)
+    # An interrupted study: one job never finished.
+    shutil.rmtree(resumed / "jobs/value_rate0.2_seed1")
+    finished = resumed / "jobs/value_rate0.2_seed0/run_summary.json"
+    before = finished.stat().st_mtime_ns
+    (resumed / "study.log").write_text("")
+    status = faults("--rates", RATES, "--seeds", "2", "--out", str(resumed), *TINY)
+    assert status == 0, (resumed / "study.log").read_text()[-3000:]
+    log = (resumed / "study.log").read_text()
+    assert "pretrain.only=true" not in log  # the baseline is reused, not pretrained again
+    assert log.count("Skipped:") == 3 and finished.stat().st_mtime_ns == before
+    same = [c for c in report.COLUMNS if c not in ("seconds", "job_dir")]
+    assert [[r[c] for c in same] for r in rows(resumed)] == [[r[c] for c in same] for r in rows(study)]
+
+
+def test_a_directory_holding_another_recipe_is_refused(study, capsys):
+    assert faults("--rates", RATES, "--seeds", "2", "--out", str(study), *TINY, "optimizer=sgd") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "give this recipe its own --out" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--rates", "0,1.5"], "--rates must be in [0, 1]"),
+        (["--rates", "-0.1"], "--rates must be in [0, 1]"),
+        (["--rates", "0,abc"], "--rates takes numbers"),
+        (["--seeds", "0"], "--seeds must be at least 1"),
+        (["--kind", "laser"], "unknown --kind 'laser'"),
+        (["--jobs", "0"], "--jobs must be at least 1"),
+        (["pin.rate=0.3"], "is set by the study itself"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args, says, tmp_path, capsys):
+    assert faults(*args, "--out", str(tmp_path / "never")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and err[0].startswith("lightning-pin faults: error:")
+    assert not (tmp_path / "never").exists()  # nothing was started
