@@ -5,6 +5,8 @@
     lightning-pin diff A.ckpt B.ckpt    # what changed between two checkpoints; do saved pins hold in B?
     lightning-pin faults [--kind K] [--rates R1,R2] [--seeds N] [--jobs J] [--out DIR] [OVERRIDES]
                                         # accuracy against the fault rate, forced and retrained (a study)
+    lightning-pin tune [--trials N] [--param KEY=SPEC] [--objectives final:max,...] [OVERRIDES]
+                                        # Optuna >= 3 over the app (SQLite, pruning, NSGA-II Pareto front)
 
 Exit status: 1 when a pin is off target (``diff``: a saved pin does not hold in B), so scripts and
 CI can gate on it; 2 with one line naming the file (and row) when an input is missing, empty or
@@ -83,6 +85,27 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--out", help="the study's directory (default: faults/<date>/<time>)")
     faults.add_argument("overrides", nargs="*", help="Hydra overrides for every job (recovery=distill, optimizer=sgd)")
 
+    tune = commands.add_parser(
+        "tune",
+        help="an Optuna (>= 3) search over the app: one objective (TPE, per-epoch pruning) or several (NSGA-II, "
+        "Pareto front); Hydra overrides follow",
+        description="Each trial composes the app's config with the parameters Optuna asks for and runs the job; the "
+        "study is kept in DIR/tune.db (SQLite), so the same command resumes it. Several --objectives print and plot "
+        "the Pareto front (DIR/pareto.png, DIR/trials.csv). Needs pip install 'lightning-pin[tune]'.",
+    )
+    tune.add_argument("--trials", type=int, default=12, help="finished trials the study should hold (default: 12)")
+    tune.add_argument("--param", action="append", default=[], metavar="KEY=SPEC",
+                      help="a searched key: KEY=float:LOW:HIGH, log:LOW:HIGH, int:LOW:HIGH or choice:A,B "
+                      "(repeatable; default: optimizer.lr=log:3e-4:3e-2)")
+    tune.add_argument("--objectives", default="final:max",
+                      help="KEY:max|min, comma separated: run summary keys (final, gap) or config keys (pin.rate); "
+                      "two or more: NSGA-II (default: %(default)s)")
+    tune.add_argument("--out", help="the study's directory (default: tune/<date>/<time>)")
+    tune.add_argument("--study-name", default="lightning_pin")
+    tune.add_argument("--seed", type=int, default=0, help="the sampler's seed")
+    tune.add_argument("--no-prune", action="store_true", help="never prune a trial (single objective)")
+    tune.add_argument("overrides", nargs="*", help="Hydra overrides for every trial (pin=faults, ckpt_path=...)")
+
     check = commands.add_parser(
         "check",
         help="do the pins a checkpoint saved hold, bit for bit, in exported models (ONNX, safetensors, state dicts)?",
@@ -106,7 +129,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _train(argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command != "faults" and extra:
+    if args.command not in ("faults", "tune") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "report":
         return _report(args)
@@ -114,6 +137,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _check(args)
     if args.command == "faults":
         return _faults(args, extra)
+    if args.command == "tune":
+        return _tune(args, extra)
     return _diff(args)
 
 
@@ -192,6 +217,24 @@ def _faults(args: argparse.Namespace, extra: Sequence[str]) -> int:
         return run_study(study)
     except StudyError as err:
         return _fail("faults", str(err))
+
+
+def _tune(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    try:
+        from lightning_pin.app.tune import Objective, Param, Tune, TuneError, run_tune
+    except ImportError as err:
+        return _fail("tune", f"{err}: pip install 'lightning-pin[tune]' (optuna >= 3)")
+    try:
+        overrides = (*args.overrides, *extra)
+        unknown = [o for o in overrides if o.startswith("-")]
+        if unknown:
+            raise TuneError(f"unknown option {unknown[0]!r}")
+        tune = Tune(trials=args.trials, params=tuple(Param.parse(p) for p in args.param),
+                    objectives=Objective.parse_all(args.objectives), out=args.out, study_name=args.study_name,
+                    seed=args.seed, prune=not args.no_prune, overrides=overrides)
+        return run_tune(tune)
+    except TuneError as err:
+        return _fail("tune", str(err))
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -209,6 +209,8 @@ def test_logger_versions_per_phase(tmp_path):
 
 
 def test_optuna_search_sweeps_lr_and_fraction(tmp_path):
+    # hparams_search=optuna needs the Hydra plugin (the optuna-sweeper extra); `lightning-pin tune` does not.
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     cfg = compose_train(tmp_path, "hparams_search=optuna", hydra_config=True)
     assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper")
     assert cfg.hydra.sweeper.direction == "maximize" and cfg.optimized_metric == "final"

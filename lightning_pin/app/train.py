@@ -106,8 +106,11 @@ def main(cfg: DictConfig) -> Optional[float]:
     return summary[cfg.optimized_metric]
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[str, Any]:
     """Pretrain, pin, retrain, verify, report. Returns the run summary (also in ``run_summary.json``).
+
+    ``extra_callbacks`` join the pinned retraining's Trainer (``lightning-pin tune`` passes its
+    per-epoch pruning callback this way).
 
     Raises:
         PinError: a pin cannot be honoured on the model (before any training), or a pinned
@@ -141,7 +144,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     pin_callback = build_pin_callback(cfg, pins)
     others = [instantiate(node, _convert_="all") for name, node in cfg.callbacks.items() if name != "pin_callback"]
     pretrainer = build_trainer(cfg, "pretrain", callbacks=[], max_epochs=cfg.pretrain.max_epochs)
-    trainer = build_trainer(cfg, "pinned", callbacks=[pin_callback, *others])
+    trainer = build_trainer(cfg, "pinned", callbacks=[pin_callback, *others, *extra_callbacks])
 
     # 2. The model to pin.
     if cfg.ckpt_path:
