@@ -132,3 +132,19 @@ def test_bad_arguments_exit_2_with_one_line(args, says, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0] and err[0].startswith("lightning-pin faults: error:")
     assert not (tmp_path / "never").exists()  # nothing was started
+
+
+@pytest.mark.parametrize(
+    ("summary", "chance", "expected"),
+    [
+        ({"train_loss": 0.3, "forced": 0.5, "final": 0.95, "tolerance": 0.01}, 0.1, False),
+        ({"train_loss": float("nan"), "forced": 0.5, "final": 0.95, "tolerance": 0.01}, 0.1, True),
+        ({"train_loss": 2.3, "forced": 0.5, "final": 0.45, "tolerance": 0.01}, None, True),  # worse than forced
+        ({"train_loss": 2.3, "forced": 0.09, "final": 0.091, "tolerance": 0.01}, 0.1, True),  # a constant guess
+        ({"train_loss": 2.3, "forced": 0.09, "final": 0.091, "tolerance": 0.01}, None, False),
+    ],
+)
+def test_diverged_says_when_retraining_failed_outright(summary, chance, expected):
+    from lightning_pin.app.train import diverged
+
+    assert diverged(summary, chance=chance) is expected

@@ -175,8 +175,9 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
     report = pin_report(pin_callback, output_dir)
     summary = make_summary(cfg, report, output_dir, seconds=time.perf_counter() - started)
     summary["train_loss"] = _last_loss(trainer)
-    # SGD with momentum can blow up around large stuck values: say so rather than report a low accuracy.
-    summary["diverged"] = summary["train_loss"] is not None and not math.isfinite(summary["train_loss"])
+    classes = getattr(datamodule, "num_classes", None)
+    chance = 1.0 / classes if classes and summary.get("metric") == "accuracy" else None
+    summary["diverged"] = diverged(summary, higher_is_better=report.get("higher_is_better", True), chance=chance)
     (output_dir / RUN_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     print_summary(summary)
     return summary
@@ -366,6 +367,25 @@ def print_summary(summary: dict[str, Any]) -> None:
     files = ", ".join(summary["files"] + [RUN_SUMMARY])
     lines.append(f"  run dir   {summary['output_dir']}: {files} (ran in {summary['seconds']:.0f} s)")
     print("\n".join(lines), flush=True)
+
+
+def diverged(summary: dict[str, Any], higher_is_better: bool = True, chance: Optional[float] = None) -> bool:
+    """Whether retraining failed outright: a non-finite loss, an end worse than not retraining at all,
+    or (given ``chance``, the accuracy of guessing) an accuracy no better than guessing.
+
+    SGD with momentum can blow up (NaN) or collapse to predicting one class around large stuck
+    values; a study should say so rather than report a low accuracy as if it were the faults' cost.
+    "Worse than not retraining": the final metric is more than the tolerance below the forced one.
+    """
+    loss, final, forced = summary.get("train_loss"), summary.get("final"), summary.get("forced")
+    if loss is not None and not math.isfinite(loss):
+        return True
+    if final is None or forced is None:
+        return False
+    tolerance = summary.get("tolerance") or 0.0
+    if chance is not None and final <= chance + tolerance:
+        return True
+    return final < forced - tolerance if higher_is_better else final > forced + tolerance
 
 
 def _last_loss(trainer: pl.Trainer) -> Optional[float]:
