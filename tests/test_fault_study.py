@@ -66,11 +66,15 @@ def test_writes_every_column_the_png_and_a_table(study, capsys):
     assert (study / report.LAYER_PNG).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_same_rate_and_seed_draw_the_same_faults_whatever_the_recipe(study, tmp_path):
+def test_same_rate_and_seed_draw_the_same_faults_whatever_the_recipe_and_launcher(study, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     other = tmp_path / "sgd"
     ckpt = study / "baseline" / "pretrained.ckpt"
-    status = faults("--rates", "0.2", "--seeds", "1", "--out", str(other), *TINY, f"ckpt_path={ckpt}", "optimizer=sgd")
+    # Another recipe (SGD), on submitit's local launcher (what submitit_slurm runs on a cluster).
+    status = faults("--rates", "0.2", "--seeds", "1", "--out", str(other), *TINY, f"ckpt_path={ckpt}", "optimizer=sgd",
+                    "hydra/launcher=submitit_local")
     assert status == 0, (other / "study.log").read_text()[-3000:]
+    assert (other / "jobs" / ".submitit").is_dir()
     first, again = bits(study / "jobs/value_rate0.2_seed0/fault_map.pt"), bits(other / "jobs/value_rate0.2_seed0/fault_map.pt")
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
     # ... and another seed draws other faults (the check above can fail).

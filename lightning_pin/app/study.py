@@ -193,7 +193,14 @@ def _app(args: Sequence[str]) -> list[str]:
 
 
 def _baseline(study: Study, out: Path, log_path: Path) -> Optional[str]:
-    """Pretrain the one baseline every job starts from (reused when the directory holds it)."""
+    """Pretrain the one baseline every job starts from (reused when the directory holds it).
+
+    In this process (the jobs' multirun is a child process): one import of torch and Lightning
+    fewer, and a bad override fails here, before any job starts.
+    """
+    import contextlib
+    import traceback
+
     directory = (out / BASELINE_DIR).resolve()
     ckpt = directory / PRETRAINED
     if ckpt.is_file():
@@ -201,12 +208,17 @@ def _baseline(study: Study, out: Path, log_path: Path) -> Optional[str]:
         return str(ckpt)
     print("baseline: pretraining once ...", flush=True)
     # Rate 0 pins nothing (an experiment's pin options still apply, and a bad pin.params fails here).
-    args = _app([*study.overrides, "pin=faults", "pin.rate=0.0", "pretrain.only=true", f"hydra.run.dir={directory}"])
-    with open(log_path, "a") as log:
-        log.write(f"$ {' '.join(args)}\n")
-        log.flush()
-        done = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode != 0 or not ckpt.is_file():
+    overrides = [*study.overrides, "pin=faults", "pin.rate=0.0", "pretrain.only=true"]
+    with open(log_path, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        print(f"baseline (in process): {' '.join(overrides)}", flush=True)
+        try:
+            from lightning_pin.app.compose import compose_app
+            from lightning_pin.app.train import run
+
+            run(compose_app(overrides, directory))
+        except Exception:  # the log gets the traceback; the terminal its end
+            traceback.print_exc()
+    if not ckpt.is_file():
         _show_failure(log_path, "the baseline's pretraining failed")
         return None
     return str(ckpt)

@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_pin.app.compose import compose_app
 from lightning_pin.reporting import tune as tune_report
 
 DEFAULT_PARAMS = ("optimizer.lr=log:3e-4:3e-2",)
@@ -206,21 +207,6 @@ def _show(values: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
 
 
-def _compose(overrides: Sequence[str]) -> Any:
-    from hydra import compose, initialize_config_dir
-
-    from lightning_pin.app.config import register_configs
-    from lightning_pin.app.train import CONFIG_DIR
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose("train", overrides=list(overrides))
-
-
-def _paths(directory: Path) -> list[str]:
-    return [f"paths.output_dir={directory}", f"paths.work_dir={Path.cwd()}"]
-
-
 def _baseline(tune: Tune, out: Path) -> str:
     """The checkpoint every trial starts from: the user's ``ckpt_path=``, or one pretraining (reused)."""
     from lightning_pin.app.train import PRETRAINED_CKPT, run
@@ -232,7 +218,7 @@ def _baseline(tune: Tune, out: Path) -> str:
     ckpt = directory / PRETRAINED_CKPT
     if not ckpt.is_file():
         print("baseline: pretraining once ...", flush=True)
-        run(_compose([*tune.overrides, "pretrain.only=true", *_paths(directory)]))
+        run(compose_app([*tune.overrides, "pretrain.only=true"], directory))
     return str(ckpt)
 
 
@@ -240,7 +226,7 @@ def _trial(tune: Tune, trial: Any, values: dict[str, Any], ckpt: str, directory:
     from lightning_pin.app.train import run
 
     searched = [f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()]
-    cfg = _compose([*tune.overrides, *searched, f"ckpt_path={ckpt}", *_paths(directory)])
+    cfg = compose_app([*tune.overrides, *searched, f"ckpt_path={ckpt}"], directory)
     pruning = [EpochPruning(trial)] if tune.prune and len(tune.objectives) == 1 else []
     summary = run(cfg, extra_callbacks=pruning)
     result = []
