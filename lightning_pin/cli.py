@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     faults = commands.add_parser(
         "faults",
-        help="a fault study: accuracy against the fault rate, forced and retrained, over seeds (Hydra overrides follow)",
+        help="a fault study: accuracy against the fault rate, forced and retrained, over seeds "
+        "(Hydra overrides follow)",
         description="Pretrain one baseline (or load ckpt_path=), then for every rate x seed draw the faults, measure "
         "the accuracy with the faults in (forced) and after retraining around them (final, pins verified), and write "
         "fault_curve.csv and fault_curve.png into --out. The same (rate, seed) always draws the same faults; a rerun "

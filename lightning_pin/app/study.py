@@ -292,7 +292,9 @@ def _param_names(overrides: Sequence[str], ckpt: str) -> list[str]:
 
     found = [n for n in names if any(matches(n, p) for p in patterns)]
     if not found:
-        raise StudyError(f"pin.params={list(patterns)} matches no parameter of the baseline ({', '.join(names[:6])}...)")
+        raise StudyError(
+            f"pin.params={list(patterns)} matches no parameter of the baseline ({', '.join(names[:6])}...)"
+        )
     return found
 
 

@@ -172,7 +172,8 @@ def run_tune(tune: Tune) -> int:
         pruner=pruner,
         directions=["maximize" if o.maximize else "minimize" for o in tune.objectives],
     )
-    if [d.name.lower() for d in study.directions] != ["maximize" if o.maximize else "minimize" for o in tune.objectives]:
+    wanted = ["maximize" if o.maximize else "minimize" for o in tune.objectives]
+    if [d.name.lower() for d in study.directions] != wanted:
         raise TuneError(f"{out / STUDY_DB} holds a study with other objectives: give this search its own --out")
     ckpt = _baseline(tune, out)
     finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)

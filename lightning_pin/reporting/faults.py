@@ -242,6 +242,8 @@ def _figure() -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        warnings.warn("lightning-pin: matplotlib is not installed, skipping the plot (pip install 'lightning-pin[app]')")
+        warnings.warn(
+            "lightning-pin: matplotlib is not installed, skipping the plot (pip install 'lightning-pin[app]')"
+        )
         return None
     return Figure
