@@ -168,3 +168,38 @@ def test_diverged_says_when_retraining_failed_outright(summary, chance, expected
     from lightning_pin.app.train import diverged
 
     assert diverged(summary, chance=chance) is expected
+
+
+def test_draw_faults_kinds_and_the_control():
+    from lightning_pin import PinError
+    from lightning_pin.app.fault_pins import draw_faults, value_fault_map
+    from lightning_pin.app.models import SmallCNN
+
+    model, params = SmallCNN(), "features.*.weight"
+    assert draw_faults(model, "value", 0.0, 0, params) == []  # the control pins nothing
+    with pytest.raises(PinError, match="matches no parameter"):
+        draw_faults(model, "value", 0.0, 0, "nothing.*")  # ... but a typo still fails there
+    with pytest.raises(PinError, match=r"in \[0, 1\]"):
+        draw_faults(model, "value", 1.5, 0, params)
+    # value: the seeded map, as mask pins holding its stuck values
+    stuck = value_fault_map(model, params, 0.2, -2.0, 2.0, seed=4)
+    for pin in draw_faults(model, "value", 0.2, 4, params, low=-2.0, high=2.0):
+        name = pin.params if isinstance(pin.params, str) else pin.params[0]
+        assert torch.equal(pin.mask, ~stuck[name].isnan()) and torch.equal(pin.value, stuck[name][pin.mask])
+    # cell: exactly what lightning_pin.faults.cell_faults draws
+    faults_module = pytest.importorskip("lightning_pin.faults")
+    drawn = draw_faults(model, "cell", 0.2, 4, params, sa1_fraction=0.25)
+    direct = faults_module.cell_faults(model, params, 0.2, sa1_fraction=0.25, seed=4)
+    assert len(drawn) == len(direct) == 2
+    for a, b in zip(drawn, direct):
+        assert a.params == b.params and torch.equal(a.indices, b.indices) and torch.equal(a.value, b.value)
+
+
+def test_a_kind_this_version_cannot_draw_is_refused_with_one_line(tmp_path, capsys):
+    import lightning_pin.faults as faults_module
+
+    if hasattr(faults_module, "bit_faults"):
+        pytest.skip("bit_faults is here: --kind bit runs")
+    assert faults("--kind", "bit", "--out", str(tmp_path / "never")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bit_faults" in err[0] and "--kind value" in err[0]
