@@ -203,3 +203,17 @@ def test_a_kind_this_version_cannot_draw_is_refused_with_one_line(tmp_path, caps
     assert faults("--kind", "bit", "--out", str(tmp_path / "never")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bit_faults" in err[0] and "--kind value" in err[0]
+
+
+def test_the_table_is_one_line_per_rate_with_ci_and_says_when_jobs_diverged(capsys):
+    rows = [dict(kind="value", rate=r, seed=s, baseline=0.9, forced=f, final=fin, gap=0.9 - fin, tolerance=0.01,
+                 recovered_step=None, pins_exact=True, diverged=d)
+            for r, s, f, fin, d in [(0.0, 0, 0.9, 0.9, False), (0.0, 1, 0.9, 0.9, False),
+                                    (0.5, 0, 0.2, 0.1, True), (0.5, 1, 0.4, 0.5, False)]]
+    report.print_curve(rows, "t")
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(lines) == 2 and lines[0].split("│")[1].strip() == "0" and lines[1].split("│")[1].strip() == "0.5"
+    # rate 0.5: forced mean 0.3, CI = t(1) * sd / sqrt(2) = 12.706 * 0.1414 / 1.414 = 1.271
+    assert "0.300 ± 1.271" in out and "0/2, 1 diverged" in out
+    assert "1 job(s) diverged" in out

@@ -167,6 +167,11 @@ def print_curve(rows: Sequence[Mapping[str, Any]], title: str, by: str = "rate")
     if baseline:
         footer.append((f"baseline {baseline[0]:.3f}" + ("" if tolerance is None else f", tolerance {tolerance:g}")
                        + "; ± is the 95% confidence interval over seeds (Student's t)", None))
+    diverged = sum(bool(r.get("diverged")) for r in rows)
+    if diverged:
+        footer.append((f"{diverged} job(s) diverged (a loss that is not finite, or retraining that ended at chance or "
+                       "below the forced accuracy): try another optimizer (optimizer=adamw) or a lower learning rate",
+                       "red"))
     tables.print_table(columns, body, title, footer=footer)
 
 
