@@ -15,7 +15,9 @@ import torch
 from lightning_pin import cli
 from lightning_pin.reporting import faults as report
 
-TINY = ["pretrain.max_epochs=1", "trainer.max_epochs=1", "trainer.limit_train_batches=6", "data.batch_size=128"]
+# One epoch of a few batches; no per-job report files or tables (the study writes its own).
+TINY = ["pretrain.max_epochs=1", "trainer.max_epochs=1", "trainer.limit_train_batches=6", "data.batch_size=128",
+        "callbacks.pin_callback.verbose=false", "callbacks.pin_callback.monitor.report=false"]
 RATES = "0,0.2"
 
 
