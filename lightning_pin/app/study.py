@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import time
@@ -285,7 +286,6 @@ def _param_names(overrides: Sequence[str], ckpt: str) -> list[str]:
     patterns = cfg.pin.params if not isinstance(cfg.pin.params, str) else [cfg.pin.params]
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     names = list(state.get("state_dict", state))
-    import re
 
     def matches(name: str, pattern: str) -> bool:
         return re.fullmatch(pattern[3:], name) is not None if pattern.startswith("re:") else fnmatchcase(name, pattern)
