@@ -1,10 +1,15 @@
-"""The ``lightning-pin`` command: ``train`` (the Hydra app), ``report``, ``diff``, ``check`` and ``export``.
+"""The ``lightning-pin`` command: the Hydra app (``train``), its reports, checks, exports and studies.
 
     lightning-pin train [OVERRIDES]     # python -m lightning_pin.train [OVERRIDES]: pretrain, pin, retrain, report
     lightning-pin report RUN_DIR        # pin_report.json / .png from a run's metrics.csv or TensorBoard events
     lightning-pin diff A.ckpt B.ckpt    # what changed between two checkpoints; do saved pins hold in B?
     lightning-pin check PINNED FILE...  # do the saved pins hold in exported models?
     lightning-pin export RUN_DIR --to model.safetensors|model.onnx   # an app run's pinned model, exported
+    lightning-pin faults [--kind K] [--rates R1,R2] [--seeds N] [--jobs J] [--out DIR] [OVERRIDES]
+                                        # accuracy against the fault rate, forced and retrained (a study)
+    lightning-pin tune [--trials N] [--param KEY=SPEC] [--objectives final:max,...] [OVERRIDES]
+                                        # Optuna >= 3 over the app (SQLite, pruning, NSGA-II Pareto front)
+
 
 Each subcommand is one function (``_<name>(args) -> exit status``) and one entry of :data:`COMMANDS`.
 
@@ -30,6 +35,8 @@ SUMMARIES = {
     "diff": "which tensors changed between two checkpoints; do saved pins hold in the second?",
     "check": "do the pins a checkpoint saved hold, bit for bit, in exported models?",
     "export": "write an app run's pinned model as .safetensors or .onnx (then `check` it)",
+    "faults": "a fault study: accuracy against the fault rate, forced and retrained, over seeds",
+    "tune": "an Optuna (>= 3) search over the app, one objective or a Pareto front of several",
 }
 
 
@@ -84,6 +91,47 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--changed-only", action="store_true", help="list only the tensors that changed")
     diff.add_argument("--json", action="store_true", help="print the comparison as JSON instead of tables")
 
+    faults = commands.add_parser(
+        "faults",
+        help="a fault study: accuracy against the fault rate, forced and retrained, over seeds "
+        "(Hydra overrides follow)",
+        description="Pretrain one baseline (or load ckpt_path=), then for every rate x seed draw the faults, measure "
+        "the accuracy with the faults in (forced) and after retraining around them (final, pins verified), and write "
+        "fault_curve.csv and fault_curve.png into --out. The same (rate, seed) always draws the same faults; a rerun "
+        "with the same --out skips finished jobs. Exit status 2 for bad arguments.",
+    )
+    faults.add_argument("--kind", default="value", help="value (stuck at random values), cell (stuck-at-0/1), bit")
+    faults.add_argument("--rates", default="0,0.05,0.1,0.2,0.5", help="fault rates in [0, 1], comma separated "
+                        "(0 is the unfaulted control; default: %(default)s)")
+    faults.add_argument("--seeds", type=int, default=3, help="fault maps per rate (seeds 0..N-1; default: 3)")
+    faults.add_argument("--per-layer", action="store_true",
+                        help="also put the faults in one parameter at a time: layer_sensitivity.csv / .png")
+    faults.add_argument("--layer-rate", type=float, help="the rate of --per-layer (default: the largest of --rates)")
+    faults.add_argument("--jobs", type=int, default=1, help="jobs in parallel (Hydra's joblib launcher)")
+    faults.add_argument("--out", help="the study's directory (default: faults/<date>/<time>)")
+    faults.add_argument("overrides", nargs="*", help="Hydra overrides for every job (recovery=distill, optimizer=sgd)")
+
+    tune = commands.add_parser(
+        "tune",
+        help="an Optuna (>= 3) search over the app: one objective (TPE, per-epoch pruning) or several (NSGA-II, "
+        "Pareto front); Hydra overrides follow",
+        description="Each trial composes the app's config with the parameters Optuna asks for and runs the job; the "
+        "study is kept in DIR/tune.db (SQLite), so the same command resumes it. Several --objectives print and plot "
+        "the Pareto front (DIR/pareto.png, DIR/trials.csv). Needs pip install 'lightning-pin[tune]'.",
+    )
+    tune.add_argument("--trials", type=int, default=12, help="finished trials the study should hold (default: 12)")
+    tune.add_argument("--param", action="append", default=[], metavar="KEY=SPEC",
+                      help="a searched key: KEY=float:LOW:HIGH, log:LOW:HIGH, int:LOW:HIGH or choice:A,B "
+                      "(repeatable; default: optimizer.lr=log:3e-4:3e-2)")
+    tune.add_argument("--objectives", default="final:max",
+                      help="KEY:max|min, comma separated: run summary keys (final, gap) or config keys (pin.rate); "
+                      "two or more: NSGA-II (default: %(default)s)")
+    tune.add_argument("--out", help="the study's directory (default: tune/<date>/<time>)")
+    tune.add_argument("--study-name", default="lightning_pin")
+    tune.add_argument("--seed", type=int, default=0, help="the sampler's seed")
+    tune.add_argument("--no-prune", action="store_true", help="never prune a trial (single objective)")
+    tune.add_argument("overrides", nargs="*", help="Hydra overrides for every trial (pin=faults, ckpt_path=...)")
+
     check = commands.add_parser(
         "check",
         help=SUMMARIES["check"],
@@ -115,7 +163,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:
         return _train(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command not in TAKES_OVERRIDES and extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command in TAKES_OVERRIDES:
+        return COMMANDS[args.command](args, extra)
     return COMMANDS[args.command](args)
 
 
@@ -185,6 +238,36 @@ def _diff(args: argparse.Namespace) -> int:
     return 0 if result.pins_hold else 1
 
 
+def _faults(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    from lightning_pin.app.study import Study, StudyError, parse_rates, run_study
+
+    try:
+        study = Study(kind=args.kind, rates=parse_rates(args.rates), seeds=args.seeds, per_layer=args.per_layer,
+                      layer_rate=args.layer_rate, jobs=args.jobs, out=args.out,
+                      overrides=(*args.overrides, *extra))
+        return run_study(study)
+    except StudyError as err:
+        return _fail("faults", str(err))
+
+
+def _tune(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    try:
+        from lightning_pin.app.tune import Objective, Param, Tune, TuneError, run_tune
+    except ImportError as err:
+        return _fail("tune", f"{err}: pip install 'lightning-pin[tune]' (optuna >= 3)")
+    try:
+        overrides = (*args.overrides, *extra)
+        unknown = [o for o in overrides if o.startswith("-")]
+        if unknown:
+            raise TuneError(f"unknown option {unknown[0]!r}")
+        tune = Tune(trials=args.trials, params=tuple(Param.parse(p) for p in args.param),
+                    objectives=Objective.parse_all(args.objectives), out=args.out, study_name=args.study_name,
+                    seed=args.seed, prune=not args.no_prune, overrides=overrides)
+        return run_tune(tune)
+    except TuneError as err:
+        return _fail("tune", str(err))
+
+
 def _check(args: argparse.Namespace) -> int:
     from lightning_pin.core.errors import PinError
     from lightning_pin.reporting import check
@@ -213,7 +296,9 @@ def _export(args: argparse.Namespace) -> int:
 
 
 #: The subcommands argparse parses (``train`` goes to Hydra untouched, see :func:`main`).
-COMMANDS = {"report": _report, "diff": _diff, "check": _check, "export": _export}
+COMMANDS = {"report": _report, "diff": _diff, "check": _check, "export": _export, "faults": _faults, "tune": _tune}
+#: Subcommands whose unparsed arguments are Hydra overrides (``_<name>(args, extra)``).
+TAKES_OVERRIDES = ("faults", "tune")
 
 
 if __name__ == "__main__":

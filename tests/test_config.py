@@ -64,7 +64,7 @@ def test_every_group_has_its_options():
     assert options("data") == ["digits", "synthetic"]
     assert {"sgd", "adam", "adamw"} <= set(options("optimizer"))
     assert options("pin") == [
-        "bit_faults", "cell_faults", "elements", "fault_map", "fraction", "freeze_layers", "none", "per_task"
+        "bit_faults", "cell_faults", "elements", "fault_map", "faults", "fraction", "freeze_layers", "none", "per_task"
     ]
     assert {"cpu", "ddp_sim", "gpu"} <= set(options("trainer"))
     assert {"csv", "tensorboard"} <= set(options("logger"))
@@ -264,6 +264,8 @@ def test_logger_versions_per_phase(tmp_path):
 
 
 def test_optuna_search_sweeps_lr_and_fraction(tmp_path):
+    # hparams_search=optuna needs the Hydra plugin (the optuna-sweeper extra); `lightning-pin tune` does not.
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     cfg = compose_train(tmp_path, "hparams_search=optuna", hydra_config=True)
     assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper")
     assert cfg.hydra.sweeper.direction == "maximize" and cfg.optimized_metric == "final"

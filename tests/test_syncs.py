@@ -375,3 +375,26 @@ def test_held_buffers_and_parameter_checks_add_no_sync():
             counted += 1
         seen.update((at_start, at_end))
     assert counted >= 10, counted
+
+
+def test_distillation_adds_no_sync_in_steady_state_steps(tmp_path):
+    from lightning_pin.callbacks import DistillFromBaseline
+
+    def count(distill: bool) -> SyncCounter:
+        torch.manual_seed(0)
+        model = TinyNet(OPTIMIZERS["adam-foreach"])
+        counter = SyncCounter()
+        pins = PinCallback([Pin("encoder.weight", fraction=0.5, seed=1, value=0.5)], verbose=False, monitor=False)
+        extra = [DistillFromBaseline(weight=1.0, temperature=2.0)] if distill else []
+        callbacks = [BatchStart(counter), pins, *extra, BatchEnd(counter)]
+        t = trainer(max_epochs=1, callbacks=callbacks, default_root_dir=tmp_path, log_every_n_steps=5)
+        with counter:
+            t.fit(model, make_loader(n=64, batch_size=4))
+        return counter
+
+    plain, distilled = count(False), count(True)
+    batches = sorted(plain.counts)
+    assert len(batches) == 16 and sorted(distilled.counts) == batches
+    # The first batch sets things up; every later one must add nothing (the teacher's forward and the KL included).
+    added = {b: dict(distilled.counts[b] - plain.counts[b]) for b in batches[1:]}
+    assert {b: a for b, a in added.items() if a} == {}

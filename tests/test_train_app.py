@@ -184,6 +184,8 @@ def test_multirun_writes_a_summary_row_per_job(tmp_path):
 
 
 def test_optuna_search_runs_two_trials(tmp_path):
+    # hparams_search=optuna needs the Hydra plugin (the optuna-sweeper extra); `lightning-pin tune` does not.
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     result = train(
         "hparams_search=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2", *TINY,
         f"hydra.sweep.dir={tmp_path}", cwd=tmp_path,

@@ -8,5 +8,8 @@
   :class:`~lightning_pin.app.models.TinyTransformer`;
 - :mod:`lightning_pin.app.pins`: seeded random target values (:class:`~lightning_pin.app.pins.UniformValues`)
   and fault maps read from files, for pins that need the model to be built;
-- :mod:`lightning_pin.app.schedules`: ``when`` schedules for per-task pinning.
+- :mod:`lightning_pin.app.schedules`: ``when`` schedules for per-task pinning;
+- :mod:`lightning_pin.app.fault_pins`: the faults of one study job from (kind, rate, seed) (``pin=faults``);
+- :mod:`lightning_pin.app.study` (``lightning-pin faults``) and :mod:`lightning_pin.app.tune`
+  (``lightning-pin tune``): studies and searches over the app's jobs.
 """

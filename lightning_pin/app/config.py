@@ -276,6 +276,29 @@ class BitFaultsConfig(PinsConfig):
 
 
 @dataclass
+class FaultPinsConfig(PinsConfig):
+    """``pin=faults``: faults of one kind at one rate, drawn from a seed (see :mod:`lightning_pin.app.fault_pins`).
+
+    What ``lightning-pin faults`` sweeps: ``rate`` and ``seed`` alone decide the faulty cells, so
+    every recipe meets the same faults. ``rate=0`` pins nothing (the control).
+    """
+
+    kind: str = "value"
+    rate: float = 0.05
+    seed: int = 0
+    params: Any = MISSING
+    #: kind=value: stuck-at values drawn uniformly from [low, high).
+    low: float = -2.0
+    high: float = 2.0
+    #: kind=cell: share of stuck-at-1 cells, and their magnitude (null: the parameter's largest).
+    sa1_fraction: float = 0.5
+    cell_high: Optional[float] = None
+    #: kind=bit: which bits may stick (null: all), and the share stuck at 1.
+    bits: Any = None
+    one_fraction: float = 0.5
+
+
+@dataclass
 class PerTaskConfig(PinsConfig):
     """``pin=per_task``: batches alternate between two tasks; each task's batches freeze the other's layers."""
 
@@ -366,6 +389,8 @@ class PretrainConfig:
     """The plain fit (no pins) that makes the model to pin; skipped when ``ckpt_path`` is given."""
 
     max_epochs: int = 8
+    #: Stop after the pretraining (and its checkpoint): the baseline of a fault study.
+    only: bool = False
 
 
 @dataclass
@@ -419,6 +444,8 @@ class TrainConfig:
     optimized_metric: str = "final"
     #: Set (by ``experiment=continual``): learn tasks in sequence with task ownership instead.
     continual: Optional[ContinualConfig] = None
+    #: Return the saved summary of a job whose directory already holds run_summary.json (resuming a sweep).
+    skip_finished: bool = False
 
 
 _SCHEMAS: dict[str, dict[str, type]] = {
@@ -444,6 +471,7 @@ _SCHEMAS: dict[str, dict[str, type]] = {
         "fault_map": FaultMapConfig,
         "cell_faults": CellFaultsConfig,
         "bit_faults": BitFaultsConfig,
+        "faults": FaultPinsConfig,
         "per_task": PerTaskConfig,
     },
     "schema/trainer": {"default": TrainerConfig},

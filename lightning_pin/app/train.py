@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -41,9 +42,10 @@ from hydra.types import RunMode
 from hydra.utils import get_class, instantiate
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.loggers import Logger
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_pin.app.config import register_configs
+from lightning_pin.app.fault_pins import draw_faults, save_faults
 from lightning_pin.app.pins import fault_map_pins, realize
 from lightning_pin.app.sweep import RUN_SUMMARY
 from lightning_pin.callbacks.pin_callback import PinCallback
@@ -56,6 +58,8 @@ log = logging.getLogger("lightning_pin.train")
 
 PRETRAINED_CKPT = "pretrained.ckpt"
 PINNED_CKPT = "pinned.ckpt"
+#: The faults a ``pin=faults`` job pinned (see :func:`lightning_pin.app.fault_pins.save_faults`).
+FAULT_MAP = "fault_map.pt"
 #: Keys of run_summary.json a sweeper may optimize (``optimized_metric``).
 OPTIMIZABLE = ("baseline", "forced", "final", "gap", "pin_drift_max", "weight_drift", "weight_drift_relative")
 
@@ -125,8 +129,11 @@ def _traceback_requested() -> bool:
     return any(os.environ.get(name, "") not in ("", "0") for name in (TRACEBACK_ENV, "HYDRA_FULL_ERROR"))
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[str, Any]:
     """Pretrain, pin, retrain, verify, report. Returns the run summary (also in ``run_summary.json``).
+
+    ``extra_callbacks`` join the pinned retraining's Trainer (``lightning-pin tune`` passes its
+    per-epoch pruning callback this way).
 
     Raises:
         PinError: a pin cannot be honoured on the model (before any training), or a pinned
@@ -141,6 +148,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
         return run_continual(cfg)
     started = time.perf_counter()
+    finished = Path(cfg.paths.output_dir) / RUN_SUMMARY
+    if cfg.skip_finished and finished.is_file():
+        log.info(f"Skipped: {finished} holds the summary of a finished run (skip_finished=true)")
+        return json.loads(finished.read_text())
     if cfg.optimized_metric not in OPTIMIZABLE:
         raise ValueError(f"optimized_metric={cfg.optimized_metric!r} is not one of {list(OPTIMIZABLE)}")
     check_lengths(cfg)
@@ -161,7 +172,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     pin_callback = build_pin_callback(cfg, pins)
     others = [instantiate(node, _convert_="all") for name, node in cfg.callbacks.items() if name != "pin_callback"]
     pretrainer = build_trainer(cfg, "pretrain", callbacks=[], max_epochs=cfg.pretrain.max_epochs)
-    trainer = build_trainer(cfg, "pinned", callbacks=[pin_callback, *others])
+    trainer = build_trainer(cfg, "pinned", callbacks=[pin_callback, *others, *extra_callbacks])
 
     # 2. The model to pin.
     if cfg.ckpt_path:
@@ -171,15 +182,21 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         log.info(f"Pretraining {type(model.backbone).__name__} without pins for {cfg.pretrain.max_epochs} epochs")
         pretrainer.fit(model, datamodule)
         pretrainer.save_checkpoint(output_dir / PRETRAINED_CKPT, weights_only=False)
-
-    if cfg.pin.get("faults") is not None:
+    if cfg.pretrain.only:
+        summary = make_summary(cfg, {}, output_dir, seconds=time.perf_counter() - started)
+        (output_dir / RUN_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+        log.info(f"Pretrained {output_dir / PRETRAINED_CKPT} (pretrain.only=true: no pinned retraining)")
+        return summary
+    if cfg.pin.get("faults") is not None or {"rate", "kind"} <= set(cfg.pin.keys()):
         # Fault generators read the weights (an SA1 cell reads the layer's largest magnitude with
         # its weight's sign): draw the faults again on the model that is retrained, not on the
         # freshly initialised one that step 1 checked them on.
         pins = build_pins(cfg.pin, model, announce=True)
         plan = resolve(pins, model)
         pin_callback = build_pin_callback(cfg, pins)
-        trainer = build_trainer(cfg, "pinned", callbacks=[pin_callback, *others])
+        trainer = build_trainer(cfg, "pinned", callbacks=[pin_callback, *others, *extra_callbacks])
+    if "rate" in cfg.pin.keys() and pins:
+        save_faults(pins, model, output_dir / FAULT_MAP)  # what a study checks for common random numbers
 
     # 3. Baseline, forced, retraining with the pins (PinMonitor measures at train start).
     pinned = sum(plan.pinned_counts().values())
@@ -193,6 +210,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # 5. The summary.
     report = pin_report(pin_callback, output_dir)
     summary = make_summary(cfg, report, output_dir, seconds=time.perf_counter() - started)
+    summary["train_loss"] = _last_loss(trainer)
+    classes = getattr(datamodule, "num_classes", None)
+    chance = 1.0 / classes if classes and summary.get("metric") == "accuracy" else None
+    summary["diverged"] = diverged(summary, higher_is_better=report.get("higher_is_better", True), chance=chance)
     (output_dir / RUN_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     print_summary(summary)
     return summary
@@ -216,6 +237,10 @@ def build_pins(pin_cfg: DictConfig, model: torch.nn.Module, announce: bool = Fal
     """
     entries = instantiate(pin_cfg.pins, _convert_="all")
     pins = [realize(Pin.from_config(entry), model) for entry in entries]
+    if "rate" in pin_cfg.keys() and "kind" in pin_cfg.keys():  # pin=faults
+        options = ("low", "high", "sa1_fraction", "cell_high", "bits", "one_fraction")
+        drawn = {key: _plain(pin_cfg[key]) for key in options}
+        pins += draw_faults(model, pin_cfg.kind, pin_cfg.rate, pin_cfg.seed, _plain(pin_cfg.params), **drawn)
     # keys(), not `in`: `in` is False for a missing value (???), which must fail here, not be skipped.
     if "fault_map" in pin_cfg.keys():
         pins += fault_map_pins(pin_cfg.fault_map)
@@ -225,6 +250,10 @@ def build_pins(pin_cfg: DictConfig, model: torch.nn.Module, announce: bool = Fal
             log.info(drawn.summary)  # what was drawn, per parameter (announce: once, for the model retrained)
         pins += drawn
     return pins
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
 def build_pin_callback(cfg: DictConfig, pins: Sequence[Pin]) -> PinCallback:
@@ -363,8 +392,10 @@ def make_summary(cfg: DictConfig, report: dict[str, Any], output_dir: Path, seco
         "weight_drift_relative",
         "steps",
     )
+    fault = {key: _plain(cfg.pin.get(key)) for key in ("kind", "rate", "seed", "params")} if "rate" in cfg.pin else None
     return {
         "job": int(hydra_cfg.job.num) if multirun else None,
+        "fault": fault,
         "overrides": list(hydra_cfg.overrides.task) if hydra_cfg is not None else [],
         "tags": list(cfg.tags),
         "choices": {g: choices.get(g) for g in ("data", "model", "optimizer", "pin", "trainer", "experiment")},
@@ -414,6 +445,30 @@ def _recovery(summary: dict[str, Any]) -> str:
     if settled is None:
         return f"within {tolerance:g} at step {recovered}, then left it: ended outside"
     return f"within {tolerance:g} from step {settled}"
+
+
+def diverged(summary: dict[str, Any], higher_is_better: bool = True, chance: Optional[float] = None) -> bool:
+    """Whether retraining failed outright: a non-finite loss, an end worse than not retraining at all,
+    or (given ``chance``, the accuracy of guessing) an accuracy no better than guessing.
+
+    SGD with momentum can blow up (NaN) or collapse to predicting one class around large stuck
+    values; a study should say so rather than report a low accuracy as if it were the faults' cost.
+    "Worse than not retraining": the final metric is more than the tolerance below the forced one.
+    """
+    loss, final, forced = summary.get("train_loss"), summary.get("final"), summary.get("forced")
+    if loss is not None and not math.isfinite(loss):
+        return True
+    if final is None or forced is None:
+        return False
+    tolerance = summary.get("tolerance") or 0.0
+    if chance is not None and final <= chance + tolerance:
+        return True
+    return final < forced - tolerance if higher_is_better else final > forced + tolerance
+
+
+def _last_loss(trainer: pl.Trainer) -> Optional[float]:
+    loss = trainer.callback_metrics.get("train_loss")
+    return None if loss is None else float(loss)
 
 
 def _fmt(value: Optional[float]) -> str:

@@ -3,5 +3,6 @@
 
 from lightning_pin.callbacks.monitor import PinMonitor
 from lightning_pin.callbacks.pin_callback import PinCallback
+from lightning_pin.callbacks.recovery import DistillFromBaseline, StopWhenRecovered, distillation_loss
 
-__all__ = ["PinCallback", "PinMonitor"]
+__all__ = ["DistillFromBaseline", "PinCallback", "PinMonitor", "StopWhenRecovered", "distillation_loss"]

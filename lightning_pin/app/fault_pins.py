@@ -1,0 +1,144 @@
+"""The faults of one study job: ``(kind, rate, seed)`` -> pins, and the fault map they stand for.
+
+A fault study (``lightning-pin faults``) compares jobs that differ in the fault rate, the seed or
+the recipe. Every job draws its faults here from ``(kind, rate, seed)`` and each parameter's name
+only, never from the weights' training history or the job's number, so two recipes run on the same
+(rate, seed) meet identical faults (common random numbers).
+
+- ``value``: a ``rate`` fraction of the cells stuck at values drawn uniformly from ``[low, high)``
+  (the app's ``pin=fraction``);
+- ``cell``: :func:`lightning_pin.faults.cell_faults` (stuck-at-0 / stuck-at-1 cells);
+- ``bit``: :func:`lightning_pin.faults.bit_faults` (stuck bits of the stored words).
+
+``rate=0`` draws nothing: the unfaulted control.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pin.core.errors import PinError
+from lightning_pin.core.plan import fraction_indices, resolve
+from lightning_pin.core.spec import Pin
+from lightning_pin.app.pins import UniformValues
+
+KINDS = ("value", "cell", "bit")
+#: Offsets the value draw's seed from the cell draw's, so which cells fail and what they hold are independent.
+VALUE_SEED_OFFSET = 1_000_003
+
+
+def fault_generator(kind: str) -> Any:
+    """``lightning_pin.faults.cell_faults`` / ``bit_faults``, or a PinError saying why it is not there.
+
+    Raises:
+        PinError: ``kind`` is unknown, or this install has no generator for it yet.
+    """
+    if kind not in KINDS:
+        raise PinError(f"unknown fault kind {kind!r}: use one of {', '.join(KINDS)}")
+    name = f"{kind}_faults"
+    try:
+        return getattr(importlib.import_module("lightning_pin.faults"), name)
+    except (ImportError, AttributeError):
+        raise PinError(
+            f"fault kind {kind!r} needs lightning_pin.faults.{name}, which this version of lightning-pin does "
+            "not have yet: use --kind value"
+        ) from None
+
+
+def check_kind(kind: str) -> None:
+    """Raise PinError unless faults of ``kind`` can be drawn here."""
+    if kind != "value":
+        fault_generator(kind)
+
+
+def value_fault_map(
+    module: nn.Module, params: Union[str, Sequence[str]], rate: float, low: float, high: float, seed: int
+) -> dict[str, Tensor]:
+    """Per matched parameter: NaN for a healthy cell, the stuck-at value for a faulty one (``rate`` of them).
+
+    Example::
+
+        >>> from lightning_pin.app.models import SmallCNN
+        >>> a = value_fault_map(SmallCNN(), "features.*.weight", 0.1, -2.0, 2.0, seed=3)
+        >>> b = value_fault_map(SmallCNN(), "features.*.weight", 0.1, -2.0, 2.0, seed=3)  # another model
+        >>> w = "features.0.weight"
+        >>> int((~a[w].isnan()).sum()), torch.equal(a[w].nan_to_num(9.0), b[w].nan_to_num(9.0))  # 10% of 144
+        (14, True)
+    """
+    values = UniformValues(low, high, seed + VALUE_SEED_OFFSET)
+    faults = {}
+    for name, selection in resolve([Pin(params)], module).pins[0].selections.items():
+        parameter = selection.parameter.detach()
+        stuck = torch.full(parameter.shape, float("nan"), dtype=parameter.dtype)
+        cells = fraction_indices(name, parameter.numel(), rate, seed)
+        stuck.view(-1)[cells] = values(name, parameter).view(-1)[cells]
+        faults[name] = stuck
+    return faults
+
+
+def draw_faults(
+    module: nn.Module,
+    kind: str,
+    rate: float,
+    seed: int,
+    params: Union[str, Sequence[str]],
+    low: float = -2.0,
+    high: float = 2.0,
+    sa1_fraction: float = 0.5,
+    cell_high: Optional[float] = None,
+    bits: Any = None,
+    one_fraction: float = 0.5,
+) -> list[Pin]:
+    """The pins of ``kind`` faults at ``rate`` on the parameters ``params`` of ``module``, from ``seed``.
+
+    Raises:
+        PinError: an unknown or unavailable kind, a rate outside [0, 1], or ``params`` matching no
+            parameter of ``module``.
+    """
+    if not 0.0 <= rate <= 1.0:
+        raise PinError(f"fault rate must be in [0, 1], got {rate!r}")
+    check_kind(kind)
+    if rate == 0:
+        resolve([Pin(params)], module)  # a typo in params still fails in the control job
+        return []
+    if kind == "value":
+        fault_map = value_fault_map(module, params, rate, low, high, seed)
+        # Values in row-major order of the mask: the order a mask pin reads a value sequence in.
+        return [Pin(name, mask=~stuck.isnan(), value=stuck[~stuck.isnan()]) for name, stuck in fault_map.items()]
+    if kind == "cell":
+        return list(fault_generator("cell")(module, params, rate, sa1_fraction=sa1_fraction, high=cell_high, seed=seed))
+    return list(fault_generator("bit")(module, params, rate, bits=bits, one_fraction=one_fraction, seed=seed))
+
+
+def save_faults(pins: Sequence[Pin], module: nn.Module, path: Union[str, Path]) -> None:
+    """Save what the pins force, so two invocations can be checked for identical faults.
+
+    With ``lightning_pin.faults.save_fault_map`` (stuck bits, bounds and values alike) its format;
+    otherwise the app's value fault map (per parameter: NaN where healthy, the stuck-at value
+    elsewhere), which ``pin=fault_map pin.fault_map=<path>`` reads back.
+    """
+    try:
+        save = importlib.import_module("lightning_pin.faults").save_fault_map
+    except (ImportError, AttributeError):
+        save = None
+    if save is not None:
+        save(list(pins), str(path))
+        return
+    faults: dict[str, Tensor] = {}
+    for resolved in resolve(list(pins), module).pins:
+        for name, selection in resolved.selections.items():
+            parameter = selection.parameter.detach()
+            stuck = faults.setdefault(name, torch.full(parameter.shape, float("nan"), dtype=parameter.dtype))
+            if selection.values is None:
+                raise PinError(f"cannot save the faults of {resolved.pin!r}: it has no explicit values")
+            if selection.index is None:
+                stuck.copy_(selection.values)
+            else:
+                stuck.view(-1)[selection.index.long()] = selection.values.reshape(-1).to(stuck.dtype)
+    torch.save(faults, path)
