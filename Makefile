@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 	    $(PY) -m pip install -q --timeout 5 --retries 0 --index-url "$(TORCH_URL)" "$(TORCH_SPEC)"; } || \
 	  { test -z "$(TORCH_URL)" || echo "make: no $(TORCH_SPEC) from $(TORCH_URL); trying the default index"; \
 	    $(PY) -m pip install -q "$(TORCH_SPEC)"; }; }
-	$(PY) -m pip install -q -e ".[dev,app,export]"
+	$(PY) -m pip install -q -e ".[dev,app,export,tune,cluster]"
 	touch $(STAMP)
 
 # The Hydra app with its defaults: pretrain a small CNN on digits, stick 5% of its conv weights
