@@ -25,8 +25,11 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Optional
+from typing import NoReturn, Optional
 
+
+#: Exit status for bad input (missing, empty or unreadable files; data that would be lost; usage).
+BAD_INPUT = 2
 
 #: Every subcommand and its one-line summary (the ``--help`` description lists them all).
 SUMMARIES = {
@@ -40,10 +43,17 @@ SUMMARIES = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors in one line (status 2), like every other error of the command."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lightning_pin import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lightning-pin",
         description="Pin chosen parameters to exact values while the rest trains, and check that they held. "
         f"Commands: {', '.join(SUMMARIES)} (below; `lightning-pin COMMAND --help` for each).",
@@ -180,10 +190,6 @@ def _train(overrides: Sequence[str]) -> int:
     sys.argv = ["lightning-pin train", *overrides]
     runpy.run_module("lightning_pin.train", run_name="__main__", alter_sys=True)
     return 0
-
-
-#: Exit status for bad input (missing, empty or unreadable files; data that would be lost).
-BAD_INPUT = 2
 
 
 def _fail(command: str, message: str) -> int:

@@ -90,3 +90,19 @@ def test_make_install_tries_the_chosen_torch_index_first_then_the_default(tmp_pa
     else:
         assert expected in torch_step
         assert torch_step.index(expected) < torch_step.index(fallback)
+
+
+@pytest.mark.parametrize(
+    "argv,phrase",
+    [
+        (["report"], "lightning-pin report: error: the following arguments are required: run_dir"),
+        (["report", "run", "--tolerance", "x"], "argument --tolerance: invalid float value: 'x'"),
+        (["nosuch"], "lightning-pin: error: argument COMMAND: invalid choice: 'nosuch'"),
+    ],
+)
+def test_usage_errors_are_one_line_with_status_2(capsys, argv, phrase):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and phrase in err, err

@@ -1,11 +1,13 @@
-"""Every ```python block of README.md runs as written: each in a fresh interpreter, in an empty
-directory, with a timeout. The README says which names stand for the user's own objects (its
+"""Every ```python block of README.md runs as written: each in a process of its own (forked from
+one that imported torch and Lightning: tests/readme_runner.py), in an empty directory, with a
+timeout. The README says which names stand for the user's own objects (its
 "stand for your own" sentence); only those come from tests/readme_user.py, and only into a block
 that uses them without defining them. Blocks added to the README later are picked up by the same
 extraction."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -66,20 +68,50 @@ def test_the_extraction_finds_indented_blocks_and_spots_the_user_names():
     assert user_names_used("model = 1\nprint(model, my_model, self.optimizer)") == []
 
 
-@pytest.mark.parametrize("line,code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
-def test_readme_block_runs_as_written(tmp_path, line, code):
-    stand_ins = user_names_used(code)
-    preamble = f"from readme_user import {', '.join(stand_ins)}\n" if stand_ins else ""
-    script = tmp_path / f"readme_line_{line}.py"
-    script.write_text(preamble + code)
+@pytest.fixture(scope="module")
+def runner():
+    """tests/readme_runner.py: forks a process per block from one that imported torch and Lightning."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
         "PYTHONWARNINGS": "ignore",
     }
-    result = subprocess.run(
-        [sys.executable, script.name], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "readme_runner.py")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
     )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"README.md line {line} failed:\n{code}\n--- output ---\n{output}"
+    yield process
+    process.stdin.close()
+    process.wait(timeout=60)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the runner forks a process per block")
+@pytest.mark.parametrize("line,code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
+def test_readme_block_runs_as_written(tmp_path, runner, line, code):
+    stand_ins = user_names_used(code)
+    preamble = f"from readme_user import {', '.join(stand_ins)}\n" if stand_ins else ""
+    script = tmp_path / f"readme_line_{line}.py"
+    script.write_text(preamble + code)
+    runner.stdin.write(json.dumps({"script": script.name, "cwd": str(tmp_path), "timeout": TIMEOUT}) + "\n")
+    runner.stdin.flush()
+    reply = runner.stdout.readline()
+    assert reply, "the README runner died"
+    status = json.loads(reply)["status"]
+    output = (tmp_path / "stdout.txt").read_text() + (tmp_path / "stderr.txt").read_text()
+    why = "timed out" if status == -14 else f"exit status {status}"
+    assert status == 0, f"README.md line {line} failed ({why}):\n{code}\n--- output ---\n{output}"
+
+
+def test_the_runner_reports_a_failing_block_and_a_timeout(tmp_path, runner):
+    cases = (
+        ("import sys\nprint(undefined_name)\n", 1, TIMEOUT, "NameError: name 'undefined_name' is not defined"),
+        ("import torch\nprint(lightning.__version__)\n", 1, TIMEOUT, "name 'lightning' is not defined"),
+        ("while True: pass\n", -14, 1, ""),
+    )
+    for code, expected, timeout, message in cases:
+        (tmp_path / "block.py").write_text(code)
+        runner.stdin.write(json.dumps({"script": "block.py", "cwd": str(tmp_path), "timeout": timeout}) + "\n")
+        runner.stdin.flush()
+        assert json.loads(runner.stdout.readline())["status"] == expected
+        assert message in (tmp_path / "stderr.txt").read_text()

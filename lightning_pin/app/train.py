@@ -106,16 +106,18 @@ TRACEBACK_ENV = "LIGHTNING_PIN_TRACEBACK"
 def main(cfg: DictConfig) -> Optional[float]:
     """Run one job; return ``optimized_metric`` of its summary (what Optuna optimizes).
 
-    An error ends the command with one line on stderr (``PinError: ...``) and exit status 1; the
-    full traceback comes with ``LIGHTNING_PIN_TRACEBACK=1`` or ``HYDRA_FULL_ERROR=1``.
+    An error ends a single run with one line on stderr (``PinError: ...``) and exit status 1; the
+    full traceback comes with ``LIGHTNING_PIN_TRACEBACK=1`` or ``HYDRA_FULL_ERROR=1``. In a
+    multirun the error goes to the sweeper, which decides (Optuna records a failed trial).
 
     Raises:
-        PinError, ValueError, FileNotFoundError: as :func:`run`, when a traceback was asked for.
+        PinError, ValueError, FileNotFoundError: as :func:`run`, in a multirun or when a traceback was asked for.
     """
     try:
         summary = run(cfg)
     except Exception as err:
-        if _traceback_requested():
+        if _traceback_requested() or _multirun():
+            # A sweep handles a failed job itself (Optuna records the trial as failed and goes on).
             raise
         # Hydra would print 20-odd lines of traceback before the message that says what to fix.
         message = " ".join(str(err).split()) or "(no message)"
@@ -123,6 +125,10 @@ def main(cfg: DictConfig) -> Optional[float]:
         print(f"(full traceback: {TRACEBACK_ENV}=1 or HYDRA_FULL_ERROR=1)", file=sys.stderr, flush=True)
         sys.exit(1)
     return summary[cfg.optimized_metric]
+
+
+def _multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _traceback_requested() -> bool:
