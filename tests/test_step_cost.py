@@ -193,3 +193,29 @@ def test_the_callback_path_adds_no_conversion_and_no_allocation(tmp_path):
         allocating = {str(f): n for f, n in added.items() if _allocates(f)}
         assert not allocating, f"step {step} allocates: {allocating}"
         assert added[aten.index_copy_.default] == LAYERS, dict(added)
+
+
+@pytest.mark.parametrize("change", ["submodule", "parameter", "cast"])
+def test_the_per_step_module_check_still_sees_changes_after_steps(change):
+    """The check before each step is two dict lookups per pinned parameter once it has passed:
+    a submodule or a parameter replaced (or a cast) after some steps is still refused."""
+    from lightning_pin import PinError
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 12)
+    with pin(model, opt, [Pin("3.weight", fraction=0.5, seed=0)]):
+        for _ in range(2):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if change == "submodule":
+            model[3] = nn.Linear(12, 12)
+        elif change == "parameter":
+            model[3].weight = nn.Parameter(torch.randn(12, 12))
+        else:
+            model.double()
+            x = x.double()
+        model(x).sum().backward()
+        with pytest.raises(PinError, match="'3.weight' (is no longer the tensor|was cast or moved)"):
+            opt.step()
