@@ -422,7 +422,7 @@ class PinEngine:
         (zero) gradient: FSDP2 needs their optimizer state to exist for distributed checkpoints."""
         if self.whole_grads != "drop":
             return
-        for target in self._owned(optimizer):
+        for target in self._step_work(optimizer)[3]:
             grad = target.parameter.grad
             if target.index is None and grad is not None and not is_sharded(grad):
                 target.parameter.grad = None
@@ -431,8 +431,8 @@ class PinEngine:
     def _owned(self, optimizer: Optimizer | None) -> list[Target]:
         return self._step_work(optimizer)[0]
 
-    def _step_work(self, optimizer: Optimizer | None) -> tuple[list[Target], list[Projection], int]:
-        """``(targets, fault projections, elements)`` of the active pins on ``optimizer``'s parameters
+    def _step_work(self, optimizer: Optimizer | None) -> tuple[list[Target], list[Projection], int, list[Target]]:
+        """``(targets, fault projections, elements, whole-tensor targets)`` of the active pins on ``optimizer``'s parameters
         (default: all), worked out once per set of active pins and optimizer layout, not per step."""
         targets, faults = self.targets(), self.fault_projections()
         names = None if optimizer is None else self._names_of(optimizer)
@@ -441,7 +441,10 @@ class PinEngine:
             owned = targets if names is None else [t for t in targets if t.name in names]
             owned_faults = faults if names is None else [f for f in faults if f.name in names]
             elements = sum(t.values.numel() for t in owned) + sum(f.elements for f in owned_faults)
-            cached = self._step_cache[id(optimizer)] = (targets, faults, names, (owned, owned_faults, elements))
+            wholes = [t for t in owned if t.index is None]
+            cached = self._step_cache[id(optimizer)] = (
+                targets, faults, names, (owned, owned_faults, elements, wholes)
+            )
         return cached[3]
 
     @torch.no_grad()
@@ -461,7 +464,7 @@ class PinEngine:
     def restore(self, optimizer: Optimizer | None = None) -> None:
         """Write the targets of active pins into ``optimizer``'s parameters (default: all), then
         call the restore hooks (with this restore's :class:`StepStats` when one asked for them)."""
-        owned, faults, elements = self._step_work(optimizer)
+        owned, faults, elements, _ = self._step_work(optimizer)
         todo = owned
         if self._dropped:
             # A wholly pinned tensor whose grad was dropped was skipped by such an optimizer: it

@@ -87,7 +87,7 @@ class Target:
             grad.put_(self._wide, zeros)
             return
         if self._wide is not None and not is_sharded(grad):
-            self._zeros = zeros = torch.zeros(self.index.numel(), dtype=grad.dtype, device=grad.device)
+            self._zeros = zeros = shared_zeros(self.index.numel(), grad.dtype, grad.device)
             grad.put_(self._wide, zeros)
             return
         flat, positions, _ = self.part(grad)
@@ -257,6 +257,19 @@ def wide_index(positions: Tensor) -> Tensor | None:
             return None
         wide = _WIDE[positions] = positions.long()
     return wide
+
+
+# Zeros that put_ reads (never writes), per dtype and device: every target takes a view of the
+# first n, so their memory is that of the largest target, not the sum.
+_ZEROS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def shared_zeros(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A read-only view of ``n`` zeros of ``dtype`` on ``device`` (shared by every caller)."""
+    zeros = _ZEROS.get((dtype, device))
+    if zeros is None or zeros.numel() < n:
+        zeros = _ZEROS[(dtype, device)] = torch.zeros(max(n, 1024), dtype=dtype, device=device)
+    return zeros[:n]
 
 
 def fill_at(flat: Tensor, positions: Tensor, value: float) -> None:
