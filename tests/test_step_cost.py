@@ -219,3 +219,30 @@ def test_the_per_step_module_check_still_sees_changes_after_steps(change):
         model(x).sum().backward()
         with pytest.raises(PinError, match="'3.weight' (is no longer the tensor|was cast or moved)"):
             opt.step()
+
+
+def test_indices_above_the_wide_limit_are_widened_per_call_and_still_hold(monkeypatch):
+    """Tensors with more pinned elements than ``WIDE_LIMIT`` keep no int64 copy (memory): they
+    convert on every call, and hold bit for bit all the same (value pins and stuck bits)."""
+    from lightning_pin.core import sharding
+
+    monkeypatch.setattr(sharding, "WIDE_LIMIT", 4)
+    pins = [
+        Pin("0.weight", fraction=0.25, seed=1, value=0.25),
+        Pin("1.weight", fraction=0.25, seed=2, stuck_at_one=0x00400000),
+    ]
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(4, 12)
+    recorder = OpRecorder()
+    with pin(model, opt, pins) as handle, recorder:
+        for step in range(4):
+            recorder.step = step
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        recorder.step = None
+        handle.verify()  # raises on any element off its pin
+    assert recorder.conversions[3] > 0  # the other side of the trade
+    selected = handle.engine.plan.pins[0].selections["0.weight"].index.long()
+    assert torch.equal(model[0].weight.detach().view(-1)[selected], torch.full((selected.numel(),), 0.25))

@@ -237,10 +237,10 @@ def flat_view(tensor: Tensor, index: Tensor, cache: dict | None = None, key: Any
 _CONVERT_CHUNK = 1 << 20
 
 #: Index tensors of at most this many elements get an int64 copy, made once and kept as long as
-#: the index lives: 4 more bytes per pinned element buy steps without any index conversion.
-#: Larger ones are widened a chunk at a time on every call (that work is small next to the
-#: kernel's own on a million elements, and their memory is not).
-WIDE_LIMIT = 1 << 20
+#: the index lives (8 more bytes per pinned element, at most 512 KiB per tensor): there the fixed
+#: cost of a conversion per call is what a many-small-tensors step would pay for. Larger ones are
+#: widened a chunk at a time on every call, where that work is a fraction of the kernel's own.
+WIDE_LIMIT = 1 << 16
 
 # int64 copies of int32 indices, by the identity of the index tensor (indices are never written
 # after resolution): the kernels (index_fill_, index_copy_, put_) want int64.
