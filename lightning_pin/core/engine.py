@@ -432,8 +432,9 @@ class PinEngine:
         return self._step_work(optimizer)[0]
 
     def _step_work(self, optimizer: Optimizer | None) -> tuple[list[Target], list[Projection], int, list[Target]]:
-        """``(targets, fault projections, elements, whole-tensor targets)`` of the active pins on ``optimizer``'s parameters
-        (default: all), worked out once per set of active pins and optimizer layout, not per step."""
+        """``(targets, fault projections, elements, whole-tensor targets)`` of the active pins on
+        ``optimizer``'s parameters (default: all), worked out once per set of active pins and
+        optimizer layout, not per step."""
         targets, faults = self.targets(), self.fault_projections()
         names = None if optimizer is None else self._names_of(optimizer)
         cached = self._step_cache.get(id(optimizer))
