@@ -361,6 +361,18 @@ def pin_bytes(callback: PinCallback) -> tuple[int, int]:
     return sum(stored.values()), pinned
 
 
+def step_buffer_bytes(callback: PinCallback) -> int:
+    """Bytes the steps keep on top of :func:`pin_bytes`: the int64 copies of int32 indices that the
+    index kernels take (made once, for targets of at most ``WIDE_LIMIT`` elements)."""
+    stored: dict[int, int] = {}
+    for targets in callback.engine._targets.values():
+        for target in targets:
+            wide = getattr(target, "_wide", None)
+            if wide is not None and wide is not target.index:
+                stored[id(wide)] = wide.numel() * wide.element_size()
+    return sum(stored.values())
+
+
 def peak_rss_mb(width: int, case: str, steps: int) -> float:
     """Peak RSS of a fresh process that trains ``steps`` steps of ``case``.
 
@@ -472,6 +484,98 @@ def plain_loop_rounds(width: int, fraction: float, rounds: int, steps: int, warm
 
 
 # ---------------------------------------------------------------------------------------------
+# Depth at fixed size: the same parameters spread over more and more tensors
+
+
+#: The depth rows' optimizers: torch's CPU default AdamW (the for-loop implementation), its
+#: foreach implementation, and SGD with momentum.
+DEPTH_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "AdamW for-loop": lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=False),
+    "AdamW foreach": lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True),
+    "SGD momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+}
+
+
+def _deep_stack(layers: int, parameters: int) -> tuple[nn.Module, list[str]]:
+    """``layers`` square Linear layers holding about ``parameters`` parameters together."""
+    width = max(2, round((parameters / layers) ** 0.5))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    return model, [f"{i}.weight" for i in range(layers)]
+
+
+def depth_rounds(
+    layers: int, fraction: float, optimizer: str, rounds: int, steps: int, warmup: int, parameters: int = 4_000_000
+) -> dict[str, Any]:
+    """Plain-loop step times (forward of a batch of 16, backward, step, zero_grad) with ``pin()``
+    on ``fraction`` of every weight and without, interleaved round by round. Returns the median
+    step times, the ratio per round and the microseconds pinning adds per pinned tensor and step."""
+    from lightning_pin import pin
+
+    pinned_ms, unpinned_ms, ratios, cpu_ratios = [], [], [], []
+    for _ in range(rounds):
+        medians: dict[bool, tuple[float, float]] = {}
+        for pinned in (False, True):
+            model, names = _deep_stack(layers, parameters)
+            opt = DEPTH_OPTIMIZERS[optimizer](model.parameters())
+            x = torch.randn(16, model[0].in_features)
+            gc.collect()
+            wall, cpu = [], []
+            context = pin(model, opt, [Pin(names, fraction=fraction, seed=0)]) if pinned else nullcontext()
+            with context:
+                for _ in range(warmup + steps):
+                    started, started_cpu = time.perf_counter(), time.process_time()
+                    model(x).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    wall.append(time.perf_counter() - started)
+                    cpu.append(time.process_time() - started_cpu)
+            medians[pinned] = (statistics.median(wall[warmup:]), statistics.median(cpu[warmup:]))
+        unpinned_ms.append(medians[False][0] * 1e3)
+        pinned_ms.append(medians[True][0] * 1e3)
+        ratios.append(medians[True][0] / medians[False][0])
+        cpu_ratios.append(medians[True][1] / medians[False][1])
+    per_tensor_us = statistics.median((p - u) * 1e3 / layers for p, u in zip(pinned_ms, unpinned_ms))
+    return {
+        "unpinned_ms": statistics.median(unpinned_ms),
+        "pinned_ms": statistics.median(pinned_ms),
+        "ratio": statistics.median(ratios),
+        "rounds": ratios,
+        "cpu_ratio": statistics.median(cpu_ratios),
+        "us_per_pinned_tensor": per_tensor_us,
+    }
+
+
+def depth_rows(
+    depths: tuple[int, ...], fractions: tuple[float, ...], optimizers: tuple[str, ...], rounds: int, steps: int,
+    warmup: int, parameters: int = 4_000_000,
+) -> dict[str, dict[str, Any]]:
+    """One row per depth, fraction and optimizer (see :func:`depth_rounds`), printed as they come."""
+    print(
+        f"depth at fixed size: {parameters / 1e6:.3g}M parameters as N square Linear layers, pin() on a fraction of "
+        f"every weight, plain loop; median of {rounds} interleaved rounds of {steps} steps"
+    )
+    print(f"  {'optimizer':<16}{'pinned':>7}{'tensors':>8}{'unpinned ms':>13}{'pinned ms':>11}{'ratio':>8}"
+          f"{'cpu':>7}{'us/tensor':>11}   rounds")
+    rows = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # per-tensor overhead is host work: one thread, as in the issue's runs
+    for optimizer in optimizers:
+        for fraction in fractions:
+            for layers in depths:
+                row = depth_rounds(layers, fraction, optimizer, rounds, steps, warmup, parameters)
+                rows[f"{optimizer} {fraction:.0%} x{layers}"] = row
+                print(
+                    f"  {optimizer:<16}{fraction:>7.0%}{layers:>8}{row['unpinned_ms']:>13.1f}{row['pinned_ms']:>11.1f}"
+                    f"{row['ratio']:>8.3f}{row['cpu_ratio']:>7.3f}{row['us_per_pinned_tensor']:>11.1f}   "
+                    + " ".join(f"{r:.3f}" for r in row["rounds"]),
+                    flush=True,
+                )
+    torch.set_num_threads(threads)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # Reporting
 
 
@@ -525,9 +629,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small model and few steps (CI)")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument(
+        "--depth", action="store_true", help="only the depth rows (4M parameters as 4 to 1,024 tensors)"
+    )
+    parser.add_argument("--depths", default="4,64,256,1024", help="tensor counts of the depth rows")
+    parser.add_argument("--depth-optimizers", default=",".join(DEPTH_OPTIMIZERS), help="optimizers of the depth rows")
+    parser.add_argument("--depth-fractions", default="0.01,0.2", help="fractions of the depth rows")
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     quick = args.quick
+    if args.depth:
+        depths = tuple(int(d) for d in args.depths.split(","))
+        fractions = tuple(float(f) for f in args.depth_fractions.split(","))
+        optimizers = tuple(args.depth_optimizers.split(","))
+        rows = depth_rows(depths, fractions, optimizers, *((2, 6, 2) if quick else (5, 15, 3)),
+                          parameters=250_000 if quick else 4_000_000)
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "depth": rows}, handle, indent=2)
+        return
     width, rounds, steps, warmup = (400, 2, 8, 2) if quick else (2500, 5, 20, 4)
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "width": width}
 
@@ -618,7 +738,12 @@ def main() -> None:
         timed_fit(model, [callback], loader(width, 3), 0)
         stored, pinned = pin_bytes(callback)
         results[f"bytes_per_pinned_{fraction}"] = stored / pinned
-        print(f"  {fraction:.0%} pinned: {stored / pinned:.2f} bytes per pinned element (goal <= 8)")
+        wide = step_buffer_bytes(callback) / pinned
+        results[f"step_buffer_bytes_per_pinned_{fraction}"] = wide
+        print(
+            f"  {fraction:.0%} pinned: {stored / pinned:.2f} bytes per pinned element (goal <= 8), "
+            f"+ {wide:.2f} for int64 copies of the indices (tensors with at most 65,536 pinned elements)"
+        )
     rss_cases = ["unpinned", "pinned 1%"] if quick else list(CASES_BY_NAME)
     rss = {name: peak_rss_mb(width, name, 4) for name in rss_cases}
     results["peak_rss_mb"] = rss
@@ -640,6 +765,12 @@ def main() -> None:
         scaling[4 * (size * size + size)] = ratio
         print(f"  {4 * (size * size + size) / 1e6:6.1f}M parameters: {ratio:.3f}")
     results["scaling"] = scaling
+
+    print()
+    if quick:  # the section runs; --depth measures it
+        results["depth"] = depth_rows((4, 64), (0.01,), ("AdamW for-loop",), 1, 4, 1, parameters=250_000)
+    else:
+        results["depth"] = depth_rows((4, 64, 256, 1024), (0.01, 0.2), tuple(DEPTH_OPTIMIZERS), 3, 15, 3)
 
     print("\nDDP, 2 CPU processes (ddp_spawn, one thread each): step time at 1% pinned / unpinned")
     ddp_width = 400 if quick else 1000

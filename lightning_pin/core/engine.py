@@ -165,6 +165,8 @@ class PinEngine:
         # copy_) moves the counter, and the restore must not take the tensor as untouched.
         self._written_version: dict[str, int] = {}
         self._by_name: dict[frozenset[int], dict[str, Target]] = {}
+        # What restore() does for each optimizer (by id; None: all) under the current targets.
+        self._step_cache: dict[int, tuple[Any, ...]] = {}
         self._faults: dict[frozenset[int], list[Projection]] = {}
         # Observers of each restore: id -> (hook, wants_stats). See register_restore_hook.
         self._restore_hooks: OrderedDict[int, tuple[Callable[[Optional[StepStats]], None], Callable[[], bool]]] = (
@@ -398,10 +400,15 @@ class PinEngine:
 
     def _grad_hook(self, name: str) -> Callable[[Tensor], None]:
         def hook(parameter: Tensor) -> None:
+            # Runs once per pinned parameter and backward: one dict lookup and one kernel.
             target = self._targets_by_name().get(name)
-            if target is not None and parameter.grad is not None:
-                with torch.no_grad():
-                    _zero_grad_of(target, parameter.grad)
+            grad = parameter.grad
+            if target is not None and grad is not None:
+                if torch.is_grad_enabled():  # backward with create_graph=True
+                    with torch.no_grad():
+                        target.mask_grad(grad)
+                else:
+                    target.mask_grad(grad)
 
         return hook
 
@@ -418,18 +425,31 @@ class PinEngine:
         (zero) gradient: FSDP2 needs their optimizer state to exist for distributed checkpoints."""
         if self.whole_grads != "drop":
             return
-        for target in self._owned(optimizer):
+        for target in self._step_work(optimizer)[3]:
             grad = target.parameter.grad
             if target.index is None and grad is not None and not is_sharded(grad):
                 target.parameter.grad = None
                 self._dropped.add(target.name)
 
     def _owned(self, optimizer: Optimizer | None) -> list[Target]:
-        targets = self.targets()
-        if optimizer is None:
-            return targets
-        names = self._names_of(optimizer)
-        return [t for t in targets if t.name in names]
+        return self._step_work(optimizer)[0]
+
+    def _step_work(self, optimizer: Optimizer | None) -> tuple[list[Target], list[Projection], int, list[Target]]:
+        """``(targets, fault projections, elements, whole-tensor targets)`` of the active pins on
+        ``optimizer``'s parameters (default: all), worked out once per set of active pins and
+        optimizer layout, not per step."""
+        targets, faults = self.targets(), self.fault_projections()
+        names = None if optimizer is None else self._names_of(optimizer)
+        cached = self._step_cache.get(id(optimizer))
+        if cached is None or cached[0] is not targets or cached[1] is not faults or cached[2] is not names:
+            owned = targets if names is None else [t for t in targets if t.name in names]
+            owned_faults = faults if names is None else [f for f in faults if f.name in names]
+            elements = sum(t.values.numel() for t in owned) + sum(f.elements for f in owned_faults)
+            wholes = [t for t in owned if t.index is None]
+            cached = self._step_cache[id(optimizer)] = (
+                targets, faults, names, (owned, owned_faults, elements, wholes)
+            )
+        return cached[3]
 
     @torch.no_grad()
     def mask_grads(self, optimizer: Optimizer | None = None) -> None:
@@ -442,30 +462,27 @@ class PinEngine:
         for target in self._owned(optimizer):
             grad = target.parameter.grad
             if grad is not None:
-                _zero_grad_of(target, grad)
+                target.mask_grad(grad)
 
     @torch.no_grad()
     def restore(self, optimizer: Optimizer | None = None) -> None:
         """Write the targets of active pins into ``optimizer``'s parameters (default: all), then
         call the restore hooks (with this restore's :class:`StepStats` when one asked for them)."""
-        owned = self._owned(optimizer)
-        skips = optimizer is not None and type(optimizer) in _SKIPS_NONE_GRADS
-        # A wholly pinned tensor whose grad was dropped was skipped by such an optimizer: it
-        # still holds its target, and copying it back would cost a full pass over it.
-        untouched, todo = [], []
-        for target in owned:
-            skipped = (
-                skips
-                and target.index is None
-                and target.name in self._dropped
-                and self._written_version.get(target.name) == target.parameter._version
-            )
-            (untouched if skipped else todo).append(target)
-        self._dropped.difference_update(t.name for t in owned)
-        faults = self.fault_projections()
-        if optimizer is not None and faults:
-            names = self._names_of(optimizer)
-            faults = [f for f in faults if f.name in names]
+        owned, faults, elements, _ = self._step_work(optimizer)
+        todo = owned
+        if self._dropped:
+            # A wholly pinned tensor whose grad was dropped was skipped by such an optimizer: it
+            # still holds its target, and copying it back would cost a full pass over it.
+            if optimizer is not None and type(optimizer) in _SKIPS_NONE_GRADS:
+                todo = [
+                    t for t in owned
+                    if not (
+                        t.index is None
+                        and t.name in self._dropped
+                        and self._written_version.get(t.name) == t.parameter._version
+                    )
+                ]
+            self._dropped.difference_update(t.name for t in owned)
         measure = any([wants() for _, wants in self._restore_hooks.values()])
         moved = None
         if measure:
@@ -476,7 +493,6 @@ class PinEngine:
         stats = None
         if moved is not None:
             after = [self._deviation(t) for t in todo] + [f.off(f.target.parameter.detach())[1] for f in faults]
-            elements = sum(t.values.numel() for t in owned) + sum(f.elements for f in faults)
             stats = _step_stats(elements, self.device, moved, after)
         self.last_step_active = self.active
         for hook, _ in list(self._restore_hooks.values()):
@@ -490,13 +506,25 @@ class PinEngine:
         return deviation if deviation.dtype in (torch.float32, torch.float64) else deviation.float()
 
     def _write(self, targets: Iterable[Target]) -> None:
+        wholes = []
         for target in targets:
-            view, positions, values = target.part(target.parameter.data)
-            if positions is None:
-                view.copy_(values)
-                self._written_version[target.name] = target.parameter._version
-            else:
+            if target.index is None:
+                wholes.append(target)
+            elif not target.restore_dense():  # one index_copy_ for the common case
+                view, positions, values = target.part(target.parameter.data)
                 copy_at(view, positions, values)
+        if wholes:
+            dense = [t for t in wholes if not is_sharded(t.parameter)]
+            if len(dense) > 1:
+                # One call for many whole tensors: foreach kernels group them by dtype and device.
+                torch._foreach_copy_([t.parameter.data for t in dense], [t.values for t in dense])
+            else:
+                dense = []
+            for target in wholes:
+                if not dense or is_sharded(target.parameter):
+                    view, _, values = target.part(target.parameter.data)
+                    view.copy_(values)
+                self._written_version[target.name] = target.parameter._version
 
     @property
     def checked_ids(self) -> frozenset[int]:
@@ -748,9 +776,4 @@ def _saved_selection(selection: Selection, captured: Tensor | None) -> SavedSele
 
 def _zero_grad_of(target: Target, grad: Tensor) -> None:
     """Zero the pinned elements of ``grad`` (all of it for a whole tensor)."""
-    if target.index is None:
-        local_tensor(grad).zero_()
-    else:
-        flat, positions, _ = target.part(grad)
-        # index_fill_, not a multiply: 0 * inf is NaN.
-        fill_at(flat, positions, 0)
+    target.mask_grad(grad)

@@ -165,6 +165,8 @@ class PinHandle:
             for name, parameter in engine.plan.parameters.items()
             if not is_sharded(parameter)
         }
+        # What _module_intact compares, built at its first call.
+        self._intact: tuple[list[tuple[nn.Module, str, nn.Module]], list[tuple[Any, ...]]] | None = None
 
     def _attach(self) -> None:
         engine = self.engine
@@ -192,6 +194,8 @@ class PinHandle:
 
         Host-side only (identity, dtype and device of Python objects): no device sync.
         """
+        if self._module_intact():
+            return
         for name, (planned, dtype, device) in self._planned.items():
             try:
                 current = self.module.get_parameter(name)
@@ -212,6 +216,34 @@ class PinHandle:
                     "setup with a '-true' precision?); its targets are in the old dtype. Cast or move the module "
                     "first (Fabric: fabric.setup(...)), then call pin()"
                 )
+
+    def _module_intact(self) -> bool:
+        """The check of :meth:`_check_module` at the cost of two dict lookups per pinned parameter
+        (it runs before every step): every submodule on the way to a pinned parameter is the one
+        seen first, and holds the planned tensor, uncast and unmoved. False sends the caller to
+        the full check, which says what changed."""
+        if self._intact is None:
+            hops: dict[tuple[int, str], tuple[nn.Module, str, nn.Module]] = {}
+            owners = []
+            for name, (planned, dtype, device) in self._planned.items():
+                *path, attr = name.split(".")
+                module = self.module
+                for part in path:
+                    child = module._modules.get(part)
+                    if child is None:
+                        return False
+                    hops[(id(module), part)] = (module, part, child)
+                    module = child
+                owners.append((module._parameters, attr, planned, dtype, device))
+            self._intact = (list(hops.values()), owners)
+        hops_seen, owners = self._intact
+        for module, part, child in hops_seen:
+            if module._modules.get(part) is not child:
+                return False
+        for parameters, attr, planned, dtype, device in owners:
+            if parameters.get(attr) is not planned or planned.dtype != dtype or planned.device != device:
+                return False
+        return True
 
     # ------------------------------------------------------------------------------------------
     # The loop

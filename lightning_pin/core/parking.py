@@ -94,11 +94,18 @@ class StatisticsParking:
             parked = self._parked[id(optimizer)] = self._parking_of(optimizer, plan, key, whole_grads)
         if not parked.entries:
             return
-        buffers = _parked_buffers(optimizer, parked.entries)
         parked.countdown -= 1
+        state = optimizer.state
+        # Optimizers make state tensors at a parameter's first step, and load_state_dict swaps in
+        # a new state dict: the same dict with the same entries holds the tensors written last,
+        # and between refreshes the check costs nothing per tensor.
+        if parked.countdown > 0 and parked.state is state and parked.state_len == len(state):
+            return
+        buffers = _parked_buffers(optimizer, parked.entries)
         unchanged = len(buffers) == len(parked.written) and all(
             ref() is buffer for ref, (_, buffer) in zip(parked.written, buffers)
         )
+        parked.state, parked.state_len = state, len(state)
         # A state tensor that is not the one written last is new (the optimizer's first step,
         # load_state_dict): park it now.
         if parked.countdown > 0 and unchanged:
@@ -168,6 +175,9 @@ class _Parked:
     countdown: int = 0
     #: Weak references to the state tensors written last.
     written: list[weakref.ref] = dataclasses.field(default_factory=list)
+    #: The optimizer's state dict when they were written, and its number of entries.
+    state: Any = None
+    state_len: int = -1
 
 
 def _masked_grads_stay_zero(optimizer: Optimizer, group: Mapping[str, Any]) -> bool:

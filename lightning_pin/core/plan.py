@@ -342,16 +342,25 @@ def _match(
     """The (first) names of the parameters ``pin``'s patterns match, by any of their names."""
     canonical = {alias: name for name, others in aliases.items() for alias in others}
     every_name = list(named) + list(canonical)
+    stripped = [_strip_compile_prefix(n) for n in every_name]
+    # A pattern without glob characters is a name: a dict lookup rather than a scan of every
+    # name (a pin listing each of a deep model's 1,000 weights would otherwise be quadratic).
+    literal: dict[str, list[int]] = {}
+    for position, (n, bare) in enumerate(zip(every_name, stripped)):
+        for key in {n, bare}:
+            literal.setdefault(key, []).append(position)
     reached: dict[str, set[str]] = {}  # first name -> the names the patterns reached it by
     for pattern in pin.patterns:
         if pattern.startswith("re:"):
             regex = re.compile(pattern[3:])  # valid: checked when the Pin was built
-            hits = [n for n in every_name if regex.fullmatch(n) or regex.fullmatch(_strip_compile_prefix(n))]
+            hits = [n for n, bare in zip(every_name, stripped) if regex.fullmatch(n) or regex.fullmatch(bare)]
+        elif not any(c in pattern for c in "*?["):
+            hits = [every_name[i] for i in literal.get(pattern, ())]
         else:
             hits = [
                 n
-                for n in every_name
-                if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(_strip_compile_prefix(n), pattern)
+                for n, bare in zip(every_name, stripped)
+                if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(bare, pattern)
             ]
         if not hits:
             close = difflib.get_close_matches(pattern.removeprefix("re:"), every_name, n=5, cutoff=0.3)

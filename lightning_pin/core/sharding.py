@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 import torch
+import torch.utils.weak
 from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
@@ -64,6 +65,64 @@ class Target:
             return data, None, values
         flat, positions = flat_view(data, index, self._by_strides, cache_key)
         return flat, positions, values
+
+    def restore_dense(self) -> bool:
+        """Write the targets of an element pin into a dense (not sharded), contiguous parameter with
+        one kernel and no per-call allocation; False (nothing written) for every other case."""
+        flat = self._dense_flat()
+        if flat is None:
+            return False
+        flat.index_copy_(0, self._wide, self._flat_values)
+        return True
+
+    def mask_grad(self, grad: Tensor) -> None:
+        """Zero the pinned elements of ``grad`` (all of it for a whole tensor). ``put_`` indexes in
+        row-major order whatever the strides, so a dense grad needs no view and no translation;
+        zeros, not a multiply: 0 * inf is NaN."""
+        if self.index is None:
+            local_tensor(grad).zero_()
+            return
+        zeros = self._zeros
+        if zeros is not None and zeros.dtype == grad.dtype and zeros.device == grad.device:
+            grad.put_(self._wide, zeros)
+            return
+        if self._wide is not None and not is_sharded(grad):
+            self._zeros = zeros = shared_zeros(self.index.numel(), grad.dtype, grad.device)
+            grad.put_(self._wide, zeros)
+            return
+        flat, positions, _ = self.part(grad)
+        fill_at(flat, positions, 0)
+
+    def _dense_flat(self) -> Tensor | None:
+        """A flat view of the parameter's data, cached while its storage stays put (validated by
+        ``data_ptr``: a ``.data`` swap or a move makes a new one); None if sharded, permuted or whole."""
+        if self.index is None or self._wide is None:
+            return None
+        parameter = self.parameter
+        cached = self._flat
+        if cached is not None:
+            if cached[0] == parameter.data_ptr():
+                return cached[1]
+        elif self._dense is False:
+            return None
+        if self._dense is None:
+            self._dense = not is_sharded(parameter)
+        data = parameter.data
+        if not self._dense or not data.is_contiguous() or self.values is None:
+            self._flat = None
+            return None
+        if self._flat_values is None:
+            self._flat_values = self.values.reshape(-1).to(device=data.device, dtype=data.dtype)
+        self._flat = (parameter.data_ptr(), data.view(-1))
+        return self._flat[1]
+
+    def __post_init__(self) -> None:
+        # int64 positions for the fast kernels (see wide_index); None keeps the general path.
+        self._wide = None if self.index is None else wide_index(self.index)
+        self._dense: bool | None = None
+        self._flat: tuple[int, Tensor] | None = None
+        self._flat_values: Tensor | None = None
+        self._zeros: Tensor | None = None
 
     def flat(self, tensor: Tensor) -> tuple[Tensor, Tensor | None]:
         """``(view, positions)`` of :meth:`part`, without the targets."""
@@ -177,21 +236,58 @@ def flat_view(tensor: Tensor, index: Tensor, cache: dict | None = None, key: Any
 #: Indices converted to int64 at a time: bounds the transient memory of int32 -> int64 to 8 MiB.
 _CONVERT_CHUNK = 1 << 20
 
+#: Index tensors of at most this many elements get an int64 copy, made once and kept as long as
+#: the index lives (8 more bytes per pinned element, at most 512 KiB per tensor): there the fixed
+#: cost of a conversion per call is what a many-small-tensors step would pay for. Larger ones are
+#: widened a chunk at a time on every call, where that work is a fraction of the kernel's own.
+WIDE_LIMIT = 1 << 16
+
+# int64 copies of int32 indices, by the identity of the index tensor (indices are never written
+# after resolution): the kernels (index_fill_, index_copy_, put_) want int64.
+_WIDE: torch.utils.weak.WeakIdKeyDictionary = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def wide_index(positions: Tensor) -> Tensor | None:
+    """``positions`` as int64, converted once and cached; None when it is too large to keep twice."""
+    if positions.dtype == torch.int64:
+        return positions
+    wide = _WIDE.get(positions)
+    if wide is None:
+        if positions.numel() > WIDE_LIMIT:
+            return None
+        wide = _WIDE[positions] = positions.long()
+    return wide
+
+
+# Zeros that put_ reads (never writes), per dtype and device: every target takes a view of the
+# first n, so their memory is that of the largest target, not the sum.
+_ZEROS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def shared_zeros(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A read-only view of ``n`` zeros of ``dtype`` on ``device`` (shared by every caller)."""
+    zeros = _ZEROS.get((dtype, device))
+    if zeros is None or zeros.numel() < n:
+        zeros = _ZEROS[(dtype, device)] = torch.zeros(max(n, 1024), dtype=dtype, device=device)
+    return zeros[:n]
+
 
 def fill_at(flat: Tensor, positions: Tensor, value: float) -> None:
     """``flat[positions] = value``. Positions are stored as int32 where they fit (half the memory
-    of int64); ``index_fill_`` wants int64, so they are widened a chunk at a time."""
-    if positions.dtype == torch.int64:
-        flat.index_fill_(0, positions, value)
+    of int64); ``index_fill_`` wants int64: see :func:`wide_index`."""
+    wide = wide_index(positions)
+    if wide is not None:
+        flat.index_fill_(0, wide, value)
         return
     for start in range(0, positions.numel(), _CONVERT_CHUNK):
         flat.index_fill_(0, positions[start : start + _CONVERT_CHUNK].long(), value)
 
 
 def copy_at(flat: Tensor, positions: Tensor, values: Tensor) -> None:
-    """``flat[positions] = values``, widening int32 positions a chunk at a time (see :func:`fill_at`)."""
-    if positions.dtype == torch.int64:
-        flat.index_copy_(0, positions, values)
+    """``flat[positions] = values``, with int64 positions from :func:`wide_index` (see :func:`fill_at`)."""
+    wide = wide_index(positions)
+    if wide is not None:
+        flat.index_copy_(0, wide, values)
         return
     for start in range(0, positions.numel(), _CONVERT_CHUNK):
         stop = start + _CONVERT_CHUNK
