@@ -167,6 +167,9 @@ class PinEngine:
         self._restore_hooks: OrderedDict[int, tuple[Callable[[Optional[StepStats]], None], Callable[[], bool]]] = (
             OrderedDict()
         )
+        # Optimizers whose compiled step (core/compiled_step.py) restored values itself, by id:
+        # (names it restored, |value - target| before its restore when stats were wanted, else None).
+        self._fused: dict[int, tuple[frozenset[str], Optional[list[Tensor]]]] = {}
 
     @property
     def sharded(self) -> bool:
@@ -463,21 +466,30 @@ class PinEngine:
         if optimizer is not None and faults:
             names = self._names_of(optimizer)
             faults = [f for f in faults if f.name in names]
-        measure = any([wants() for _, wants in self._restore_hooks.values()])
+        measure = self._wants_stats()
+        # A compiled step (compile_step=True) already wrote the targets of what it updates.
+        fused_names, fused_moved = self._fused.pop(id(optimizer), (frozenset(), None))
+        fused = [t for t in todo if t.name in fused_names]
+        todo = [t for t in todo if t.name not in fused_names]
         moved = None
         if measure:
             moved = [self._deviation(t) for t in todo] + [f.drift(f.target.parameter.detach()) for f in faults]
+            moved += fused_moved or []
         self._write(todo)
         for projection in faults:
             projection.apply(projection.target.parameter.data)
         stats = None
         if moved is not None:
-            after = [self._deviation(t) for t in todo] + [f.off(f.target.parameter.detach())[1] for f in faults]
+            after = [self._deviation(t) for t in todo + fused] + [f.off(f.target.parameter.detach())[1] for f in faults]
             elements = sum(t.values.numel() for t in owned) + sum(f.elements for f in faults)
             stats = _step_stats(elements, self.device, moved, after)
         self.last_step_active = self.active
         for hook, _ in list(self._restore_hooks.values()):
             hook(stats)
+
+    def _wants_stats(self) -> bool:
+        """Whether an observer wants this restore's :class:`StepStats` (see register_restore_hook)."""
+        return any([wants() for _, wants in self._restore_hooks.values()])
 
     def _deviation(self, target: Target) -> Tensor:
         """``|value - target|`` of the pinned elements of ``target``, flat, in float32 or wider."""
