@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import os
 import shutil
+import types
 import warnings
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
@@ -112,6 +113,14 @@ def _fused_step_measured(step: Callable[[Optimizer], Any], optimizer: Optimizer,
     return moved
 
 
+def _own_code(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` with a code object of its own. Dynamo keeps compiled graphs on the code object,
+    guarded on the optimizer and the tensors, up to ``recompile_limit`` (8) of them: with one code
+    object for all, the ninth optimizer of a process (a second fit, several optimizers) would run
+    eager. One per optimizer keeps each to its own one or two graphs."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
+
+
 class CompiledStep:
     """``optimizer.step`` with the restore of ``engine``'s pins compiled into it (see the module docstring)."""
 
@@ -129,8 +138,8 @@ class CompiledStep:
         self.masks = [torch.zeros_like(p, dtype=BITS_DTYPES[p.dtype]) for p in self.params]
         self.targets = [torch.zeros_like(m) for m in self.masks]
         self._for: Optional[list[Any]] = None  # the engine's target list the buffers hold
-        self._compiled = torch.compile(_fused_step, fullgraph=True, dynamic=False)
-        self._compiled_measured = torch.compile(_fused_step_measured, fullgraph=True, dynamic=False)
+        self._compiled = torch.compile(_own_code(_fused_step), fullgraph=True, dynamic=False)
+        self._compiled_measured = torch.compile(_own_code(_fused_step_measured), fullgraph=True, dynamic=False)
         #: Why the step runs eager after all (a compile error), or None while it runs compiled.
         self.failed: Optional[str] = None
 
