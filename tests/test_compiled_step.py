@@ -95,7 +95,11 @@ def test_when_toggles_and_windows_do_not_recompile():
         Pin("2.weight", indices=[(1, 1)], value=3.0, start_step=2, stop_step=5),
         Pin("0.bias"),
     ]
+    stats = []
     with pin(model, optimizer, pins, compile_step=True) as handle:
+        # Step statistics on every other step (as a monitor's logging steps): the compiled step
+        # then also measures how far the update moved the pinned elements, in a second graph.
+        handle.engine.register_restore_hook(stats.append, wants_stats=lambda: handle.step % 2 == 0)
 
         def step(batch_idx: int) -> None:
             handle.batch_start(None, batch_idx)
@@ -103,6 +107,11 @@ def test_when_toggles_and_windows_do_not_recompile():
             optimizer.step()
             optimizer.zero_grad()
             handle.verify()  # every active pin on target, bit for bit
+            if batch_idx % 2 == 0:  # weight decay moved the `when` pin's elements, the restore undid it
+                assert stats[-1].drift_max.item() > 0 and stats[-1].violations.item() == 0
+                assert stats[-1].elements == 15 + 5 + (batch_idx in (2, 4))
+            else:
+                assert stats[-1] is None
 
         for batch_idx in range(2):  # both states of the `when` pin: the graph is compiled once
             step(batch_idx)
