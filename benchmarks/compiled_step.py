@@ -86,7 +86,7 @@ class Case:
         index = sum(t.index.numel() * t.index.element_size() + t.values.numel() * t.values.element_size()
                     for t in engine.targets())
         driver = self.optimizer.__dict__.get("step")
-        dense = 0 if driver is None else sum(m.numel() * m.element_size() * 2 for m in driver.masks)
+        dense = 0 if driver is None else sum(m.numel() * m.element_size() * 2 for m in driver.keeps)
         return {"engine_bytes_per_pinned": index / elements, "compiled_bytes_per_pinned": dense / elements}
 
 

@@ -6,18 +6,22 @@
 optimizer's class: no optimizer written twice) and restores every pinned element with a
 branch-free bit-select on integer views of the same bytes::
 
-    bits = (bits & ~mask) | (target_bits & mask)      # mask: all ones where pinned, 0 elsewhere
+    bits = (bits & keep) | (target_bits & ~keep)      # keep: all ones where free, 0 where pinned
 
 then the step post-hooks (the engine's, which here only forces stuck bits and bounds, parks
 statistics and calls its observers). Free elements get exactly the bits of the compiled step
-without pins; pinned ones exactly their targets.
+without pins; pinned ones exactly their targets. The gradients of pinned elements are zeroed the
+same way, one dense ``grad_bits &= keep`` pass (:meth:`CompiledStep.mask_grad`) where the engine
+would write zeros at scattered indices, when backward accumulates them (``pin()``) or before
+clipping (``PinCallback``): clipping still sees them zero.
 
-The mask and the targets are dense integer tensors, one pair per pinned parameter the optimizer
-updates, passed to the compiled function as *data*: when pins start, stop or a ``when`` toggles,
-:meth:`CompiledStep.refresh` rewrites them in place (index ops, no sync) and nothing recompiles.
-Memory: two tensors of the parameter's size per pinned parameter, i.e. ``2 * itemsize / f``
-bytes per pinned element at a pinned fraction ``f`` of its tensor (8 bytes at 100%, 16 at 50%,
-40 at 20%, 800 at 1% for float32).
+The ``keep`` masks and the targets are dense integer tensors, one pair per pinned parameter the
+optimizer updates, passed to the compiled function as *data*: when pins start, stop or a ``when``
+toggles, :meth:`CompiledStep.refresh` rewrites them in place (index ops, no sync) and nothing
+recompiles. Memory: two tensors of the parameter's size per pinned parameter, i.e.
+``2 * itemsize / f`` bytes per pinned element at a pinned fraction ``f`` of its tensor (8 bytes
+at 100%, 10 at 80%, 16 at 50%, 40 at 20%, 800 at 1% for float32), on top of the engine's own
+index and targets.
 
 Where the step cannot be compiled (an optimizer that is not one of torch's own, sharded
 parameters, no C++ compiler for a CPU parameter, a compile error) the optimizer keeps its eager
@@ -87,29 +91,29 @@ def why_not_compiled(optimizer: Optimizer, parameters: Sequence[Tensor]) -> Opti
 
 
 def _fused_step(step: Callable[[Optimizer], Any], optimizer: Optimizer, params: list[Tensor],
-                masks: list[Tensor], targets: list[Tensor]) -> None:
+                keeps: list[Tensor], targets: list[Tensor]) -> None:
     """torch's step, then the bit-select restore of every pinned element: one compiled graph."""
     step(optimizer)
     with torch.no_grad():
-        for param, mask, target in zip(params, masks, targets):
-            bits = param.view(mask.dtype)
-            bits.copy_((bits & ~mask) | (target & mask))
+        for param, keep, target in zip(params, keeps, targets):
+            bits = param.view(keep.dtype)
+            bits.copy_((bits & keep) | (target & ~keep))
 
 
 def _fused_step_measured(step: Callable[[Optimizer], Any], optimizer: Optimizer, params: list[Tensor],
-                         masks: list[Tensor], targets: list[Tensor]) -> list[Tensor]:
+                         keeps: list[Tensor], targets: list[Tensor]) -> list[Tensor]:
     """:func:`_fused_step` that also returns ``|value - target|`` of the pinned elements before the
     restore (0 elsewhere), flat, for the engine's step statistics on the steps an observer logs."""
     step(optimizer)
     moved = []
     with torch.no_grad():
-        for param, mask, target in zip(params, masks, targets):
-            bits = param.view(mask.dtype)
+        for param, keep, target in zip(params, keeps, targets):
+            bits = param.view(keep.dtype)
             deviation = (param.detach() - target.view(param.dtype)).abs().reshape(-1)
             if deviation.dtype not in (torch.float32, torch.float64):
                 deviation = deviation.float()
-            moved.append(torch.where(mask.reshape(-1) != 0, deviation, torch.zeros_like(deviation)))
-            bits.copy_((bits & ~mask) | (target & mask))
+            moved.append(torch.where(keep.reshape(-1) == 0, deviation, torch.zeros_like(deviation)))
+            bits.copy_((bits & keep) | (target & ~keep))
     return moved
 
 
@@ -135,8 +139,10 @@ class CompiledStep:
         self.names = [n for n in names if engine.plan.parameters[n].requires_grad]
         self.params = [engine.plan.parameters[n] for n in self.names]
         self._names = frozenset(self.names)
-        self.masks = [torch.zeros_like(p, dtype=BITS_DTYPES[p.dtype]) for p in self.params]
-        self.targets = [torch.zeros_like(m) for m in self.masks]
+        self._index = {name: i for i, name in enumerate(self.names)}
+        #: Per parameter: all ones where free, 0 where pinned (the gradient mask and the restore's select).
+        self.keeps = [torch.full_like(p, -1, dtype=BITS_DTYPES[p.dtype]) for p in self.params]
+        self.targets = [torch.zeros_like(k) for k in self.keeps]
         self._for: Optional[list[Any]] = None  # the engine's target list the buffers hold
         self._compiled = torch.compile(_own_code(_fused_step), fullgraph=True, dynamic=False)
         self._compiled_measured = torch.compile(_own_code(_fused_step_measured), fullgraph=True, dynamic=False)
@@ -152,25 +158,45 @@ class CompiledStep:
             return
         self._for = current
         at = {name: i for i, name in enumerate(self.names)}
-        for mask in self.masks:
-            mask.zero_()
+        for keep in self.keeps:
+            keep.fill_(-1)
         for target in current:
             i = at.get(target.name)
             if i is None:
                 continue
-            mask, held = self.masks[i], self.targets[i]
-            values = target.values.to(device=mask.device, dtype=self.params[i].dtype).view(mask.dtype)
-            view, positions, _ = target.part(mask)
+            keep, held = self.keeps[i], self.targets[i]
+            values = target.values.to(device=keep.device, dtype=self.params[i].dtype).view(keep.dtype)
+            view, positions, _ = target.part(keep)
             if positions is None:
-                mask.fill_(-1)
+                keep.zero_()
                 held.copy_(values)
             else:
                 held_view, _, _ = target.part(held)
-                fill_at(view, positions, -1)
+                fill_at(view, positions, 0)
                 copy_at(held_view, positions, values.reshape(-1))
+
+    #: An LR scheduler wraps ``optimizer.step`` on the instance to notice steps (``_opt_called``);
+    #: this step sets that flag itself, and the marker keeps a later scheduler from wrapping it.
+    _wrapped_by_lr_sched = True
+
+    @torch.no_grad()
+    def mask_grad(self, name: str, grad: Tensor) -> bool:
+        """Zero the pinned elements of ``grad`` (of parameter ``name``) with one dense ``bits &= keep``
+        pass (no scattered index writes; a NaN or inf gradient becomes +0.0 too); False when the
+        gradient's layout differs from the parameter's and the engine's index mask must do it."""
+        i = self._index.get(name)
+        if i is None:
+            return False
+        keep = self.keeps[i]
+        if grad.dtype != self.params[i].dtype or grad.stride() != keep.stride() or is_sharded(grad):
+            return False
+        self.refresh()
+        grad.view(keep.dtype).bitwise_and_(keep)
+        return True
 
     def __call__(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         optimizer = self.optimizer
+        optimizer._opt_called = True  # what an LR scheduler's wrapper of step() records
         args: tuple[Any, ...] = (optimizer,)
         kwargs: dict[str, Any] = {} if closure is None else {"closure": closure}
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
@@ -200,7 +226,7 @@ class CompiledStep:
         function = self._compiled_measured if measured else self._compiled
         try:
             with torch.no_grad():
-                moved = function(self._step, self.optimizer, self.params, self.masks, self.targets)
+                moved = function(self._step, self.optimizer, self.params, self.keeps, self.targets)
         except Exception as err:  # the first call compiles: nothing ran (fullgraph) if it failed
             if not _is_compile_error(err):
                 raise
@@ -216,6 +242,10 @@ class CompiledStep:
         self.engine._fused[id(self.optimizer)] = (self._names, moved if measured else None)
 
 
+def _float_lr(optimizer: Optimizer) -> bool:
+    return any(not isinstance(group.get("lr"), Tensor) for group in optimizer.param_groups)
+
+
 def _is_compile_error(err: Exception) -> bool:
     from torch._dynamo import exc
 
@@ -227,13 +257,19 @@ def _is_compile_error(err: Exception) -> bool:
 class _Installed:
     """Undoes :func:`install` for one optimizer (a removable handle)."""
 
-    def __init__(self, optimizer: Optimizer, step: CompiledStep) -> None:
-        self.optimizer, self.step = optimizer, step
+    def __init__(self, optimizer: Optimizer, step: CompiledStep, replaced: Any) -> None:
+        self.optimizer, self.step, self.replaced = optimizer, step, replaced
 
     def remove(self) -> None:
         if self.optimizer.__dict__.get("step") is self.step:
-            del self.optimizer.__dict__["step"]
+            if self.replaced is None:
+                del self.optimizer.__dict__["step"]
+            else:
+                self.optimizer.__dict__["step"] = self.replaced
         self.step.engine._fused.pop(id(self.optimizer), None)
+        for name in self.step.names:
+            if self.step.engine._dense_grad_masks.get(name) is self.step:
+                del self.step.engine._dense_grad_masks[name]
 
 
 def install(engine: Any, optimizers: Sequence[Optimizer], warn: Callable[[str], Any]) -> list[_Installed]:
@@ -243,13 +279,23 @@ def install(engine: Any, optimizers: Sequence[Optimizer], warn: Callable[[str], 
     for optimizer in optimizers:
         names = engine._names_of(optimizer)
         reason = why_not_compiled(optimizer, [engine.plan.parameters[n] for n in names])
-        if reason is None and "step" in optimizer.__dict__:
-            reason = "its step() was already replaced on the instance"
+        replaced = optimizer.__dict__.get("step")
+        if reason is None and replaced is not None and not getattr(replaced, "_wrapped_by_lr_sched", False):
+            # Only an LR scheduler's wrapper (it calls the class's step) may be replaced.
+            reason = "its step() was already replaced on the instance (by something other than an LR scheduler)"
+        if reason is None and replaced is not None and _float_lr(optimizer):
+            reason = (
+                "an LR scheduler changes its float lr, and torch.compile specialises the step on it: every change "
+                "would recompile, and after 8 the step would run eager anyway. Give the optimizer a tensor "
+                "learning rate (lr=torch.tensor(0.001)) to compile it once"
+            )
         if reason is not None:
             warn(f"compile_step=True: the step of {type(optimizer).__name__} runs eager, pins restored after it "
                  f"as without compile_step, because {reason}")
             continue
         step = CompiledStep(engine, optimizer)
         optimizer.__dict__["step"] = step
-        handles.append(_Installed(optimizer, step))
+        for name in step.names:
+            engine._dense_grad_masks[name] = step
+        handles.append(_Installed(optimizer, step, replaced))
     return handles

@@ -170,6 +170,8 @@ class PinEngine:
         # Optimizers whose compiled step (core/compiled_step.py) restored values itself, by id:
         # (names it restored, |value - target| before its restore when stats were wanted, else None).
         self._fused: dict[int, tuple[frozenset[str], Optional[list[Tensor]]]] = {}
+        # Compiled steps that mask gradients with a dense bit-and, by parameter name (mask_grad).
+        self._dense_grad_masks: dict[str, Any] = {}
 
     @property
     def sharded(self) -> bool:
@@ -401,7 +403,7 @@ class PinEngine:
             target = self._targets_by_name().get(name)
             if target is not None and parameter.grad is not None:
                 with torch.no_grad():
-                    _zero_grad_of(target, parameter.grad)
+                    self._zero_grad(target, parameter.grad)
 
         return hook
 
@@ -442,7 +444,12 @@ class PinEngine:
         for target in self._owned(optimizer):
             grad = target.parameter.grad
             if grad is not None:
-                _zero_grad_of(target, grad)
+                self._zero_grad(target, grad)
+
+    def _zero_grad(self, target: Target, grad: Tensor) -> None:
+        dense = self._dense_grad_masks.get(target.name)
+        if dense is None or not dense.mask_grad(target.name, grad):
+            _zero_grad_of(target, grad)
 
     @torch.no_grad()
     def restore(self, optimizer: Optimizer | None = None) -> None:
