@@ -197,3 +197,38 @@ def test_trainer_fit_with_accumulation_clipping_and_resume(tmp_path):
     assert torch.equal(straight.head.bias, torch.zeros_like(straight.head.bias))
     for name, value in straight.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], value), name
+
+
+def test_a_scheduler_changing_a_float_lr_falls_back_with_the_fix_named():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)  # wraps optimizer.step
+    with pytest.warns(UserWarning, match=r"changes its float lr.*lr=torch.tensor"):
+        handle = pin(model, optimizer, [Pin("0.weight", indices=[(0, 1)], value=0.75)], compile_step=True)
+    with handle:
+        for _ in range(2):
+            model(torch.randn(4, 6)).square().mean().backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        assert model[0].weight[0, 1].item() == 0.75 and handle.step == 2
+
+
+def test_a_tensor_lr_under_a_scheduler_created_after_pin_compiles_once():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1), momentum=0.9)
+    with pin(model, optimizer, [Pin("0.weight", indices=[(0, 1)], value=0.75)], compile_step=True) as handle:
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+        assert isinstance(optimizer.__dict__["step"], CompiledStep)  # the scheduler did not wrap it again
+        with warnings.catch_warnings():
+            # Neither "lr_scheduler.step() before optimizer.step()" nor a fallback.
+            warnings.filterwarnings("error", message=".*lr_scheduler.step")
+            warnings.filterwarnings("error", message="compile_step")
+            for step in range(4):
+                model(torch.randn(4, 6)).square().mean().backward()
+                with torch._dynamo.config.patch(error_on_recompile=step > 1):  # the first step creates the momentum
+                    optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        assert torch.equal(optimizer.param_groups[0]["lr"], torch.tensor(0.1) / 16)
+        assert model[0].weight[0, 1].item() == 0.75 and handle.step == 4

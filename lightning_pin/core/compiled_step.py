@@ -117,6 +117,23 @@ def _fused_step_measured(step: Callable[[Optimizer], Any], optimizer: Optimizer,
     return moved
 
 
+#: The pinned fraction of a tensor (all its pins together) from which the compiled step restores and
+#: masks it densely; below it the engine's index ops do (measured in benchmarks/compiled_step.py:
+#: at 1% the dense passes cost more than the scattered writes they replace).
+DENSE_FROM = 0.25
+
+
+def _pinned_fractions(plan: Any) -> dict[str, float]:
+    """Per parameter, the fraction of its elements some pin selects (overlaps counted twice)."""
+    counts: dict[str, int] = {}
+    for rp in plan.pins:
+        for name, selection in rp.selections.items():
+            if selection.kind == "value":
+                size = selection.parameter.numel() if selection.index is None else selection.index.numel()
+                counts[name] = counts.get(name, 0) + size
+    return {name: min(1.0, n / max(plan.parameters[name].numel(), 1)) for name, n in counts.items()}
+
+
 def _own_code(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` with a code object of its own. Dynamo keeps compiled graphs on the code object,
     guarded on the optimizer and the tensors, up to ``recompile_limit`` (8) of them: with one code
@@ -136,7 +153,12 @@ class CompiledStep:
         self._step = inspect.unwrap(type(optimizer).step)
         self._eager = type(optimizer).step.__wrapped__  # the fallback: eager, without the hook runner
         names = sorted(engine._names_of(optimizer))
-        self.names = [n for n in names if engine.plan.parameters[n].requires_grad]
+        pinned = _pinned_fractions(engine.plan)
+        # Dense select where many elements are pinned; where few are, the engine's index mask and
+        # restore touch only those (they stay eager, after the compiled step) and need no dense copy.
+        self.names = [
+            n for n in names if engine.plan.parameters[n].requires_grad and pinned.get(n, 0.0) >= DENSE_FROM
+        ]
         self.params = [engine.plan.parameters[n] for n in self.names]
         self._names = frozenset(self.names)
         self._index = {name: i for i, name in enumerate(self.names)}
@@ -228,8 +250,8 @@ class CompiledStep:
             with torch.no_grad():
                 moved = function(self._step, self.optimizer, self.params, self.keeps, self.targets)
         except Exception as err:  # the first call compiles: nothing ran (fullgraph) if it failed
-            if not _is_compile_error(err):
-                raise
+            if not _is_compile_error(err) or isinstance(err, torch._dynamo.exc.RecompileError):
+                raise  # a recompile refused by config.error_on_recompile is the caller's to see
             self.failed = f"torch.compile failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             warnings.warn(
                 f"compile_step=True: the step of {type(self.optimizer).__name__} runs eager, pins restored after "
@@ -293,7 +315,7 @@ def install(engine: Any, optimizers: Sequence[Optimizer], warn: Callable[[str], 
             warn(f"compile_step=True: the step of {type(optimizer).__name__} runs eager, pins restored after it "
                  f"as without compile_step, because {reason}")
             continue
-        step = CompiledStep(engine, optimizer)
+        step = CompiledStep(engine, optimizer)  # compiles the step even when no tensor is dense
         optimizer.__dict__["step"] = step
         for name in step.names:
             engine._dense_grad_masks[name] = step
