@@ -144,7 +144,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(f"| {r['optimizer']} | {r['fraction']:.0%} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
-              f"{r['pinned_eager_ms']:.1f} | {r['pinned_compiled_ms']:.1f} | {r['pinned_compiled_over_compiled']:.2f} | "
+              f"{r['pinned_eager_ms']:.1f} | {r['pinned_compiled_ms']:.1f} | "
+              f"{r['pinned_compiled_over_compiled']:.2f} | "
               f"{r['pinned_compiled_over_eager']:.2f} | {r['compile_s_compiled']:.1f} / "
               f"{r['compile_s_pinned_compiled']:.1f} | {r['engine_bytes_per_pinned']:.0f} + "
               f"{r['compiled_bytes_per_pinned']:.0f} |")
