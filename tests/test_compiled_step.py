@@ -94,6 +94,8 @@ def test_when_toggles_and_windows_do_not_recompile():
         Pin("0.weight", fraction=0.5, seed=1, when=_every_other),  # re-captured at every activation
         Pin("2.weight", indices=[(1, 1)], value=3.0, start_step=2, stop_step=5),
         Pin("0.bias"),
+        Pin("2.bias", bounds=(-0.01, 0.01)),  # fault projections run after the compiled step
+        Pin("2.weight", indices=[(0, 0), (2, 4)], stuck_at_one=0x00400000),
     ]
     stats = []
     with pin(model, optimizer, pins, compile_step=True) as handle:
@@ -109,7 +111,7 @@ def test_when_toggles_and_windows_do_not_recompile():
             handle.verify()  # every active pin on target, bit for bit
             if batch_idx % 2 == 0:  # weight decay moved the `when` pin's elements, the restore undid it
                 assert stats[-1].drift_max.item() > 0 and stats[-1].violations.item() == 0
-                assert stats[-1].elements == 15 + 5 + (batch_idx in (2, 4))
+                assert stats[-1].elements == 15 + 5 + (batch_idx in (2, 4)) + 3 + 2
             else:
                 assert stats[-1] is None
 

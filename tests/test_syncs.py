@@ -286,9 +286,10 @@ def test_toggling_when_pin_merges_recaptured_targets_without_a_sync():
     [
         *((o, m, False) for o in ("adamw-forloop", "adam-foreach") for m in (_pins, _fault_pins)),
         ("adamw-forloop", _pins, True),
+        ("adam-foreach", _fault_pins, True),
     ],
     ids=["adamw-forloop-values", "adamw-forloop-faults", "adam-foreach-values", "adam-foreach-faults",
-         "adamw-forloop-values-compiled"],
+         "adamw-forloop-values-compiled", "adam-foreach-faults-compiled"],
 )
 def test_front_door_adds_no_sync_in_steady_state_steps(optimizer, make_pins, compile_step):
     """The same count for a plain loop under ``pin()``: accumulation over 2 batches, clipping,
