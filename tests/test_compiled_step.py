@@ -234,3 +234,36 @@ def test_a_tensor_lr_under_a_scheduler_created_after_pin_compiles_once():
                 optimizer.zero_grad()
         assert torch.equal(optimizer.param_groups[0]["lr"], torch.tensor(0.1) / 16)
         assert model[0].weight[0, 1].item() == 0.75 and handle.step == 4
+
+
+def test_grad_scaler_steps_run_compiled_and_skipped_steps_change_nothing():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    with pin(model, optimizer, [Pin("0.weight", fraction=0.5, seed=3), Pin("2.bias", value=0.0)],
+             compile_step=True) as handle:
+        for step in range(3):
+            loss = model(torch.randn(4, 6)).square().mean()
+            if step == 1:
+                loss = loss * float("inf")  # the scaler skips this step: no restore, no weight change
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            if step == 1:
+                assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+            handle.verify()
+        assert handle.step == 2 and optimizer.__dict__["step"].failed is None
+        assert torch.equal(model[2].bias, torch.zeros(3))
+
+
+def test_a_fused_optimizer_keeps_its_fused_step_with_one_warning():
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    with pytest.warns(UserWarning, match=r"fused=True"):
+        handle = pin(model, optimizer, [Pin("2.bias", value=0.5)], compile_step=True)
+    with handle:
+        model(torch.randn(4, 6)).square().mean().backward()
+        optimizer.step()
+        assert "step" not in optimizer.__dict__ and torch.equal(model[2].bias, torch.full((3,), 0.5))

@@ -80,6 +80,8 @@ def why_not_compiled(optimizer: Optimizer, parameters: Sequence[Tensor]) -> Opti
         return f"{kind.__qualname__}.step is not torch's hooked step (it was replaced)"
     if any(group.get("differentiable") for group in optimizer.param_groups):
         return "a param group has differentiable=True"
+    if any(group.get("fused") for group in optimizer.param_groups):
+        return "it runs torch's fused kernels (fused=True), which torch.compile does not trace; use foreach"
     if any(is_sharded(p) for p in parameters):
         return "pinned parameters are sharded (DTensor): the compiled restore works on local dense tensors"
     if any(p.dtype not in BITS_DTYPES for p in parameters):
