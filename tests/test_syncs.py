@@ -281,11 +281,25 @@ def test_toggling_when_pin_merges_recaptured_targets_without_a_sync():
     assert counter.counts[0]["aten.unique_consecutive.default"] == 1
 
 
-@pytest.mark.parametrize("optimizer", ["adamw-forloop", "adam-foreach"])
-@pytest.mark.parametrize("make_pins", [_pins, _fault_pins], ids=["values", "faults"])
-def test_front_door_adds_no_sync_in_steady_state_steps(optimizer, make_pins):
+@pytest.mark.parametrize(
+    ("optimizer", "make_pins", "compile_step"),
+    [
+        *((o, m, False) for o in ("adamw-forloop", "adam-foreach") for m in (_pins, _fault_pins)),
+        ("adamw-forloop", _pins, True),
+        ("adam-foreach", _fault_pins, True),
+    ],
+    ids=["adamw-forloop-values", "adamw-forloop-faults", "adam-foreach-values", "adam-foreach-faults",
+         "adamw-forloop-values-compiled", "adam-foreach-faults-compiled"],
+)
+def test_front_door_adds_no_sync_in_steady_state_steps(optimizer, make_pins, compile_step):
     """The same count for a plain loop under ``pin()``: accumulation over 2 batches, clipping,
-    windows that start and stop, and `when` pins that toggle and re-capture (``batch_start``)."""
+    windows that start and stop, and `when` pins that toggle and re-capture (``batch_start``).
+    With ``compile_step`` the pinned run goes through the compiled step's driver (hooks, closure,
+    the masks refreshed at toggles, the engine's bookkeeping) around the very function that is
+    compiled, run as Python: torch.compile refuses to trace under a dispatch mode, and inside a
+    compiled graph there is nothing to count. The graph itself cannot sync: it is compiled with
+    ``fullgraph=True``, and ``.item()``, ``nonzero`` and every op with a data-dependent size is a
+    graph break (an error) under torch.compile's default configuration."""
     from lightning_pin import pin
 
     def run(pinned: bool) -> tuple[SyncCounter, dict[int, frozenset[int]]]:
@@ -293,7 +307,12 @@ def test_front_door_adds_no_sync_in_steady_state_steps(optimizer, make_pins):
         model = TinyNet(OPTIMIZERS[optimizer])
         opt = model.configure_optimizers()
         counter, active = SyncCounter(), {}  # batch -> active pins at its start and at its end
-        handle = pin(model, opt, make_pins()) if pinned else None
+        handle = pin(model, opt, make_pins(), compile_step=compile_step) if pinned else None
+        if compile_step and pinned:
+            from lightning_pin.core import compiled_step
+
+            driver = opt.__dict__["step"]
+            driver._compiled, driver._compiled_measured = compiled_step._fused_step, compiled_step._fused_step_measured
         with counter:
             for batch_idx, (x, y) in enumerate(make_loader(n=192, batch_size=4)):
                 counter.batch = batch_idx

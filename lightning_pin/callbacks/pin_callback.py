@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_pin.callbacks._compat import averaged_modules, runs_in_spawned_workers, watch_weight_averaging
 from lightning_pin.core.buffers import BufferHold
+from lightning_pin.core.compiled_step import install
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.handle import as_pins
@@ -71,6 +72,9 @@ class PinCallback(Callback):
         monitor: What to measure, log (under ``pin/...``) and report: a
             :class:`~lightning_pin.PinMonitor`, ``True`` for ``PinMonitor()`` (pin drift, violations
             and weight drift on logging steps; no accuracy tracking), or ``False`` for nothing.
+        compile_step: Run each optimizer's step through ``torch.compile`` with the restore of pinned
+            values fused into it (see :mod:`lightning_pin.core.compiled_step`): torch's own
+            optimizers only; any other step stays eager, with one warning saying why.
 
     Raises:
         PinError: When built, for ``pins`` that are not pins or mappings of their keys, an unknown
@@ -104,6 +108,7 @@ class PinCallback(Callback):
         verify: Literal["step", "epoch", "end", "never"] = "end",
         verbose: bool = True,
         monitor: Union[PinMonitor, bool] = True,
+        compile_step: bool = False,
     ) -> None:
         if verify not in _VERIFY_CHOICES:
             raise PinError(f"verify must be one of {_VERIFY_CHOICES}, got {verify!r}")
@@ -118,6 +123,7 @@ class PinCallback(Callback):
         self.strict = strict
         self.verify_at = verify
         self.verbose = verbose
+        self.compile_step = compile_step
         #: What is measured, logged and reported (None: nothing).
         self.monitor: Optional[PinMonitor] = PinMonitor() if monitor is True else (monitor or None)
         self.engine: Optional[PinEngine] = None
@@ -196,6 +202,8 @@ class PinCallback(Callback):
             self._handles = self.engine.attach(trainer.optimizers)
             if self.buffers:  # before the step check, which checks the buffers too
                 self._handles.append(self.buffers.attach(self.engine))
+            if self.compile_step:
+                self._handles += install(self.engine, trainer.optimizers, rank_zero_warn)
             if self.verify_at == "step":
                 self._handles.append(self.engine.register_restore_hook(lambda stats: self._check()))
             self._unwatch = watch_weight_averaging(trainer, self._pin_averaged)

@@ -172,6 +172,11 @@ class PinEngine:
         self._restore_hooks: OrderedDict[int, tuple[Callable[[Optional[StepStats]], None], Callable[[], bool]]] = (
             OrderedDict()
         )
+        # Optimizers whose compiled step (core/compiled_step.py) restored values itself, by id:
+        # (names it restored, |value - target| before its restore when stats were wanted, else None).
+        self._fused: dict[int, tuple[frozenset[str], Optional[list[Tensor]]]] = {}
+        # Compiled steps that mask gradients with a dense bit-and, by parameter name (mask_grad).
+        self._dense_grad_masks: dict[str, Any] = {}
 
     @property
     def sharded(self) -> bool:
@@ -406,9 +411,9 @@ class PinEngine:
             if target is not None and grad is not None:
                 if torch.is_grad_enabled():  # backward with create_graph=True
                     with torch.no_grad():
-                        target.mask_grad(grad)
+                        self._zero_grad(target, grad)
                 else:
-                    target.mask_grad(grad)
+                    self._zero_grad(target, grad)
 
         return hook
 
@@ -462,7 +467,13 @@ class PinEngine:
         for target in self._owned(optimizer):
             grad = target.parameter.grad
             if grad is not None:
-                target.mask_grad(grad)
+                self._zero_grad(target, grad)
+
+    def _zero_grad(self, target: Target, grad: Tensor) -> None:
+        # A compiled step (compile_step=True) may mask this tensor with a dense mask of its own.
+        dense = self._dense_grad_masks.get(target.name) if self._dense_grad_masks else None
+        if dense is None or not dense.mask_grad(target.name, grad):
+            target.mask_grad(grad)
 
     @torch.no_grad()
     def restore(self, optimizer: Optimizer | None = None) -> None:
@@ -483,20 +494,30 @@ class PinEngine:
                     )
                 ]
             self._dropped.difference_update(t.name for t in owned)
-        measure = any([wants() for _, wants in self._restore_hooks.values()])
+        measure = self._wants_stats()
+        # A compiled step (compile_step=True) already wrote the targets of what it updates.
+        fused_names, fused_moved = self._fused.pop(id(optimizer), (frozenset(), None))
+        fused = [t for t in todo if t.name in fused_names] if fused_names else []
+        if fused:
+            todo = [t for t in todo if t.name not in fused_names]
         moved = None
         if measure:
             moved = [self._deviation(t) for t in todo] + [f.drift(f.target.parameter.detach()) for f in faults]
+            moved += fused_moved or []
         self._write(todo)
         for projection in faults:
             projection.apply(projection.target.parameter.data)
         stats = None
         if moved is not None:
-            after = [self._deviation(t) for t in todo] + [f.off(f.target.parameter.detach())[1] for f in faults]
+            after = [self._deviation(t) for t in todo + fused] + [f.off(f.target.parameter.detach())[1] for f in faults]
             stats = _step_stats(elements, self.device, moved, after)
         self.last_step_active = self.active
         for hook, _ in list(self._restore_hooks.values()):
             hook(stats)
+
+    def _wants_stats(self) -> bool:
+        """Whether an observer wants this restore's :class:`StepStats` (see register_restore_hook)."""
+        return any([wants() for _, wants in self._restore_hooks.values()])
 
     def _deviation(self, target: Target) -> Tensor:
         """``|value - target|`` of the pinned elements of ``target``, flat, in float32 or wider."""

@@ -20,6 +20,7 @@ counts that step, as reading ``found_inf`` would cost a host-device sync per ste
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
@@ -30,6 +31,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pin.core.buffers import BufferHold
+from lightning_pin.core.compiled_step import install
 from lightning_pin.core.engine import PinEngine, is_sharded
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.modules import unwrap
@@ -132,7 +134,13 @@ class PinHandle:
     """
 
     def __init__(
-        self, module: nn.Module, optimizers: Sequence[Optimizer], engine: PinEngine, *, strict: bool = True
+        self,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        engine: PinEngine,
+        *,
+        strict: bool = True,
+        compile_step: bool = False,
     ) -> None:
         self.module = module
         self.optimizers = list(optimizers)
@@ -154,6 +162,7 @@ class PinHandle:
         self._removed = False
         #: Buffers of the modules the pins freeze (BatchNorm running statistics), held with them.
         self.buffers = BufferHold(engine.plan, module)
+        self._compile_step = compile_step
         # What each pinned parameter was when the pins were resolved: the object itself and its
         # dtype and device. A step is refused if the module holds another object under the name
         # (re-initialised, tied, replaced) or the tensor was cast or moved: the engine would
@@ -178,6 +187,8 @@ class PinHandle:
             self._handles.append(self.buffers.attach(engine))
         for optimizer in self.optimizers:  # after the restore: post-hooks run in registration order
             self._handles.append(optimizer.register_step_post_hook(self._after_step))
+        if self._compile_step:
+            self._handles += install(engine, self.optimizers, lambda m: warnings.warn(m, UserWarning, stacklevel=4))
 
     # ------------------------------------------------------------------------------------------
     # Checks that the handle still applies
@@ -380,8 +391,8 @@ class PinHandle:
         )
 
 
-def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pins: PinsLike, *, strict: bool = True
-        ) -> PinHandle:
+def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pins: PinsLike, *, strict: bool = True,
+        compile_step: bool = False) -> PinHandle:
     """Pin ``pins`` on ``module`` for a plain PyTorch loop (or Fabric, or any trainer); return the handle.
 
     Resolves every pin on ``module`` (a plain ``nn.Module``, a ``torch.compile`` wrapper or a
@@ -395,6 +406,9 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         optimizers: Its optimizer, or a list of them; ``handle.step`` counts the first one's steps.
         pins: :class:`Pin`\\ s, or mappings with the same keys.
         strict: Refuse saved pin state that does not match in :meth:`PinHandle.load_state_dict`.
+        compile_step: Run each optimizer's step through ``torch.compile`` with the restore of pinned
+            values fused into it (:mod:`lightning_pin.core.compiled_step`); where it cannot be
+            compiled the step stays eager, with one warning saying why.
 
     Under torch.distributed, call it on every rank with the same pins: the ranks compare what
     they resolved once (one small all-reduce), and all of them raise if one rejects its pins.
@@ -448,7 +462,7 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         ranks_agree(engine, rejected, device)
     if rejected is not None:
         raise rejected
-    handle = PinHandle(target, optimizer_list, engine, strict=strict)
+    handle = PinHandle(target, optimizer_list, engine, strict=strict, compile_step=compile_step)
     try:
         # Capture and force the pins of step 0 before attaching to the optimizers, so that their
         # statistics are zeroed at the first step, not now (see PinHandle._pending_reset).
