@@ -35,7 +35,7 @@ def pinned(module: torch.nn.Module) -> torch.Tensor:
 EXPECTED = torch.tensor(VALUES, dtype=torch.float32)
 
 # The values are chosen to be rounded (that is the point here); the rounding warning is asserted in
-# tests/test_errors.py, not in every fit of this file.
+# tests/test_plan.py, not in every fit of this file.
 pytestmark = pytest.mark.filterwarnings("ignore:.*not representable in torch.float32.*:UserWarning")
 
 
