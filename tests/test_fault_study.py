@@ -197,14 +197,19 @@ def test_draw_faults_kinds_and_the_control():
         assert a.params == b.params and torch.equal(a.indices, b.indices) and torch.equal(a.value, b.value)
 
 
-def test_a_kind_this_version_cannot_draw_is_refused_with_one_line(tmp_path, capsys):
-    import lightning_pin.faults as faults_module
-
-    if hasattr(faults_module, "bit_faults"):
-        pytest.skip("bit_faults is here: --kind bit runs")
-    assert faults("--kind", "bit", "--out", str(tmp_path / "never")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "bit_faults" in err[0] and "--kind value" in err[0]
+def test_bit_and_cell_kinds_run_end_to_end(study, tmp_path):
+    """``--kind bit`` (stuck bits, bit_faults) and ``--kind cell`` (stuck-at cells, cell_faults) on the
+    study's baseline: every job's pins verified bit for bit, the faulty rate pins something."""
+    ckpt = next(study.rglob("pretrained.ckpt"))
+    for kind, rate in (("bit", "0.01"), ("cell", "0.2")):
+        out = tmp_path / kind
+        status = faults("--kind", kind, "--rates", f"0,{rate}", "--seeds", "1", "--out", str(out),
+                        f"ckpt_path={ckpt}", *TINY)
+        assert status == 0, (out / "study.log").read_text()[-3000:]
+        table = rows(out)
+        assert [(r["kind"], float(r["rate"])) for r in table] == [(kind, 0.0), (kind, float(rate))]
+        assert all(r["pins_exact"] == "true" for r in table)
+        assert table[0]["pinned_elements"] == "0" and int(table[1]["pinned_elements"]) > 0
 
 
 def test_the_table_is_one_line_per_rate_with_ci_and_says_when_jobs_diverged(capsys):
