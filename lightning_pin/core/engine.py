@@ -793,8 +793,3 @@ def _saved_selection(selection: Selection, captured: Tensor | None) -> SavedSele
         return SavedSelection(selection.index, None, True, "bounds", low=selection.low.cpu(), high=selection.high.cpu())
     explicit = selection.values is not None
     return SavedSelection(selection.index, selection.values if explicit else captured, explicit)
-
-
-def _zero_grad_of(target: Target, grad: Tensor) -> None:
-    """Zero the pinned elements of ``grad`` (all of it for a whole tensor)."""
-    target.mask_grad(grad)
