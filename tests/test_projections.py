@@ -260,6 +260,44 @@ def test_refused_before_any_weight_changes(case):
         assert torch.equal(value, before[key]), key
 
 
+# One check (fault_plan.check_masks_hold) serves one pin's masks and two pins' merged masks; each
+# caller words its own message, pinned here in full.
+MASKS_THAT_CANNOT_HOLD = {
+    "overlap in one pin": (
+        [Pin("enc.weight", indices=[(1, 2), (0, 3)], stuck_at_zero={"enc.weight": torch.tensor([1, 3])},
+             stuck_at_one={"enc.weight": torch.tensor([2, 6])})],
+        "stuck_at_zero and stuck_at_one overlap on element (0, 3) of 'enc.weight' (bits 0x00000002): a bit "
+        "cannot be stuck at 0 and at 1",
+    ),
+    "every exponent bit in one pin": (
+        [Pin("enc.weight", indices=[(1, 1)], stuck_at_one={"enc.weight": torch.tensor([0x7F800001])})],
+        "stuck_at_one=0x7f800001 on element (1, 1) of 'enc.weight' sets every exponent bit of torch.float32 "
+        "(0x7f800000): the element would be inf or NaN whatever training writes; leave at least one exponent bit free",
+    ),
+    "overlap across pins": (
+        [Pin("enc.weight", stuck_at_zero=0x1), Pin("enc.weight", indices=[(3, 4)], stuck_at_one=0x3)],
+        " stick bits 0x00000001 of element (3, 4) of 'enc.weight' at 0 and at 1 at overlapping steps",
+    ),
+    "every exponent bit across pins": (
+        [Pin("enc.weight", indices=[(1, 1)], stuck_at_one=0x7F000000),
+         Pin("enc.weight", indices=[(1, 1), (2, 2)], stuck_at_one=0x00800000)],
+        " together stick every exponent bit of element (1, 1) of 'enc.weight' at 1: it would be inf or NaN whatever "
+        "training writes",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MASKS_THAT_CANNOT_HOLD))
+def test_masks_that_cannot_hold_are_named_in_full(case):
+    pins, tail = MASKS_THAT_CANNOT_HOLD[case]
+    net = int_net()
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1)
+    with pytest.raises(PinError) as err:
+        pin(net, opt, pins)
+    named = " and ".join(repr(p) for p in pins)
+    assert str(err.value) == (named + tail if "across" in case else f"{named}: {tail}")
+
+
 def test_masks_from_files_keyed_by_parameter_name(tmp_path):
     from safetensors.torch import save_file
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pin.core.bitwords import hex_word
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.spec import Pin, check_bits, number_leaves
 from lightning_pin.core.state import BITS_DTYPES
@@ -64,24 +65,47 @@ def stuck_masks(
             check_bits(pin, field, raw, f" for {name!r}")
         masks.append(_mask_tensor(pin, name, field, parameter, index, raw, dtype, width))
     zero, one = masks
-    both = (zero & one) != 0
-    if bool(both.any()):
-        at = _first(both)
-        raise PinError(
+    check_masks_hold(
+        zero, one, parameter.dtype,
+        overlap=lambda at, bits: (
             f"{pin!r}: stuck_at_zero and stuck_at_one overlap on element {_coords(parameter, index, at)} of "
-            f"{name!r} (bits {_hex(int((zero & one).reshape(-1)[at]), width)}): a bit cannot be stuck at 0 and at 1"
-        )
-    exponent = to_signed(EXPONENT_BITS[parameter.dtype], width)
-    always_special = (one & exponent) == exponent
-    if bool(always_special.any()):
-        at = _first(always_special)
-        raise PinError(
-            f"{pin!r}: stuck_at_one={_hex(int(one.reshape(-1)[at]), width)} on element "
-            f"{_coords(parameter, index, at)} of {name!r} sets every exponent bit of {parameter.dtype} "
-            f"({_hex(EXPONENT_BITS[parameter.dtype], width)}): the element would be inf or NaN whatever training "
-            "writes; leave at least one exponent bit free"
-        )
+            f"{name!r} (bits {bits}): a bit cannot be stuck at 0 and at 1"
+        ),
+        every_exponent=lambda at, ones: (
+            f"{pin!r}: stuck_at_one={ones} on element {_coords(parameter, index, at)} of {name!r} sets every "
+            f"exponent bit of {parameter.dtype} ({hex_word(EXPONENT_BITS[parameter.dtype], width)}): the element "
+            "would be inf or NaN whatever training writes; leave at least one exponent bit free"
+        ),
+    )
     return zero.to(parameter.device), one.to(parameter.device)
+
+
+def check_masks_hold(
+    zero: Tensor, one: Tensor, dtype: torch.dtype, overlap: Callable[[int, str], str],
+    every_exponent: Callable[[int, str], str]
+) -> None:
+    """Check that stuck-bit masks (per element, in the signed integer type of ``dtype``) can hold:
+    no bit stuck at 0 and at 1, and not every exponent bit stuck at 1 (the element would be inf or
+    NaN whatever training writes). Used for one pin's masks and for two pins' merged masks.
+
+    The messages come from the caller, which knows the pins and the element: ``overlap(at, bits)``
+    and ``every_exponent(at, ones)`` get the first bad element's flat position in the masks and, in
+    hex, the bits stuck at both values or the bits stuck at 1.
+
+    Raises:
+        PinError: with the first message that applies.
+    """
+    width = torch.iinfo(zero.dtype).bits
+    both = zero & one
+    clash = both != 0
+    if bool(clash.any()):
+        at = _first(clash)
+        raise PinError(overlap(at, hex_word(int(both.reshape(-1)[at]), width)))
+    exponent = to_signed(EXPONENT_BITS[dtype], width)
+    special = (one & exponent) == exponent
+    if bool(special.any()):
+        at = _first(special)
+        raise PinError(every_exponent(at, hex_word(int(one.reshape(-1)[at]), width)))
 
 
 def _mask_tensor(
@@ -118,7 +142,7 @@ def _refuse_wide(pin: Pin, name: str, field: str, parameter: Tensor, bad: list[i
         shown = ", ".join(hex(x) if x >= 0 else str(x) for x in bad[:3])
         raise PinError(
             f"{pin!r}: {field} for {name!r} holds {shown}, wider than {parameter.dtype} ({width} bits, masks "
-            f"0x0..{_hex((1 << width) - 1, width)})"
+            f"0x0..{hex_word((1 << width) - 1, width)})"
         )
 
 
@@ -245,7 +269,7 @@ def describe_bits(zero: Tensor, one: Tensor, dtype: torch.dtype) -> str:
     for label, mask in (("1", one), ("0", zero)):
         union = _union(mask, width)
         if union:
-            parts.append(f"{label}: {_hex(union, width)}")
+            parts.append(f"{label}: {hex_word(union, width)}")
     return "stuck bits " + (", ".join(parts) if parts else "none")
 
 
@@ -256,10 +280,6 @@ def _union(mask: Tensor, width: int) -> int:
         if bool(((flat >> bit) & 1).any()):
             union |= 1 << bit
     return union
-
-
-def _hex(value: int, width: int) -> str:
-    return f"0x{value & ((1 << width) - 1):0{width // 4}x}"
 
 
 def _first(flags: Tensor) -> int:
@@ -319,22 +339,17 @@ def check_fault_conflict(first: Pin, a: Any, second: Pin, b: Any, name: str) -> 
     if a.kind == "stuck_bits":
         zero = a.stuck_at_zero.reshape(-1).cpu()[a_pos] | b.stuck_at_zero.reshape(-1).cpu()[b_pos]
         one = a.stuck_at_one.reshape(-1).cpu()[a_pos] | b.stuck_at_one.reshape(-1).cpu()[b_pos]
-        clash = (zero & one) != 0
-        width = torch.iinfo(zero.dtype).bits
-        if bool(clash.any()):
-            at = _first(clash)
-            raise PinError(
-                f"{both} stick bits {_hex(int((zero & one)[at]), width)} of element "
-                f"{_coords(parameter, None, int(flat[at]))} of {name!r} at 0 and at 1 at overlapping steps"
-            )
-        exponent = to_signed(EXPONENT_BITS[parameter.dtype], width)
-        special = (one & exponent) == exponent
-        if bool(special.any()):
-            at = _first(special)
-            raise PinError(
+        check_masks_hold(
+            zero, one, parameter.dtype,
+            overlap=lambda at, bits: (
+                f"{both} stick bits {bits} of element {_coords(parameter, None, int(flat[at]))} of {name!r} at 0 "
+                "and at 1 at overlapping steps"
+            ),
+            every_exponent=lambda at, _: (
                 f"{both} together stick every exponent bit of element {_coords(parameter, None, int(flat[at]))} of "
                 f"{name!r} at 1: it would be inf or NaN whatever training writes"
-            )
+            ),
+        )
         return
     low = torch.maximum(a.low.reshape(-1).cpu()[a_pos], b.low.reshape(-1).cpu()[b_pos])
     high = torch.minimum(a.high.reshape(-1).cpu()[a_pos], b.high.reshape(-1).cpu()[b_pos])

@@ -26,6 +26,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from lightning_pin.core.bitwords import describe_stuck
 from lightning_pin.core.layouts import _Layout
 from lightning_pin.core.sharding import Target, copy_at, wide_index
 from lightning_pin.core.state import BITS_DTYPES
@@ -189,17 +190,8 @@ class StuckBits(Projection):
 
 def _describe_bits(actual: Tensor, keep: Tensor, set_: Tensor, position: int) -> str:
     """``"bits 0x..., stuck at 1: 0x..., stuck at 0: 0x..., wrong: 0x..."`` for one element."""
-    width = torch.iinfo(keep.dtype).bits
-    zero, one = int(~keep[position]), int(set_[position])
-    held = int(actual[position])
-    wrong = (held & zero) | (~held & one)
-    parts = [f"bits {_hex(held, width)}"]
-    if one:
-        parts.append(f"stuck at 1: {_hex(one, width)}")
-    if zero:
-        parts.append(f"stuck at 0: {_hex(zero, width)}")
-    parts.append(f"wrong: {_hex(wrong, width)}")
-    return ", ".join(parts)
+    word, zero, one = int(actual[position]), int(~keep[position]), int(set_[position])
+    return describe_stuck(word, zero, one, torch.iinfo(keep.dtype).bits)
 
 
 class Interval(Projection):
@@ -251,10 +243,6 @@ class Interval(Projection):
 
 #: The projection class of each pin kind.
 KINDS: dict[str, type[Projection]] = {cls.kind: cls for cls in (ExactValue, StuckBits, Interval)}
-
-
-def _hex(value: int, width: int) -> str:
-    return f"0x{value & ((1 << width) - 1):0{width // 4}x}"
 
 
 def merge_faults(kind: str, name: str, parameter: torch.nn.Parameter, entries: Sequence[object]) -> Projection:

@@ -35,10 +35,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
+from lightning_pin.core.bitwords import describe_stuck
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
 from lightning_pin.core.state import PinState, SavedSelection, find_pin_states
-from lightning_pin.reporting.compare import bounds_off, describe_stuck, differs, stuck_bits_off
+from lightning_pin.reporting.compare import bounds_off, differs, stuck_bits_off
 
 #: Suffixes :func:`check_artifacts` reads as artifacts.
 ARTIFACT_SUFFIXES = (".onnx",) + TENSOR_FILE_SUFFIXES

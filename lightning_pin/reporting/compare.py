@@ -44,20 +44,3 @@ def bounds_off(values: Tensor, low: Tensor, high: Tensor) -> Tensor:
     """Elements outside ``[low, high]`` (NaN is outside), compared by value in float64."""
     wide = values.to(torch.float64)
     return ~((wide >= low.to(torch.float64)) & (wide <= high.to(torch.float64)))
-
-
-def hex_word(value: int, width: int) -> str:
-    """``value``'s low ``width`` bits as hex, zero-padded to the word (``0x40000000``)."""
-    return f"0x{value & ((1 << width) - 1):0{width // 4}x}"
-
-
-def describe_stuck(word: int, zero: int, one: int, width: int) -> str:
-    """What a stuck-bit element holds and must hold: its bits, the stuck ones, the wrong ones."""
-    wrong = (word & zero) | (~word & one)
-    parts = [f"bits {hex_word(word, width)}"]
-    if one:
-        parts.append(f"stuck at 1: {hex_word(one, width)}")
-    if zero:
-        parts.append(f"stuck at 0: {hex_word(zero, width)}")
-    parts.append(f"wrong: {hex_word(wrong, width)}")
-    return ", ".join(parts)
