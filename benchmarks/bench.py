@@ -2,6 +2,7 @@
 
     python benchmarks/bench.py            # the full table (about 15 minutes on 2 quiet CPU cores)
     python benchmarks/bench.py --quick    # a small model, for CI (under a minute)
+    python benchmarks/bench.py --smoke    # every section on the smallest sizes: runs, figures meaningless (tests)
 
 Every figure is a ratio of two things measured in this process, interleaved round by round, so
 machine noise hits both sides alike. Step time is the wall time from ``on_train_batch_start`` of
@@ -373,19 +374,31 @@ def step_buffer_bytes(callback: PinCallback) -> int:
     return sum(stored.values())
 
 
-def peak_rss_mb(width: int, case: str, steps: int) -> float:
-    """Peak RSS of a fresh process that trains ``steps`` steps of ``case``.
+def peak_rss_mb(width: int, cases: list[str], steps: int, together: bool = False) -> dict[str, float]:
+    """Peak RSS of a fresh process per case that trains ``steps`` steps of it; ``together`` starts
+    them all at once (each peak is its own process's: --smoke saves the imports' wall time).
 
     Read from /proc (VmHWM): ``ru_maxrss`` would carry the parent's peak across fork + exec.
     """
-    code = (
-        "import sys, torch; sys.path.insert(0, %r); import bench;"
-        "torch.set_num_threads(2); m = bench.MLP(%d); cbs = bench.CASES_BY_NAME[%r](m);"
-        "bench.timed_fit(m, cbs, bench.loader(%d, %d), 0);"
-        "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
-    ) % (os.path.dirname(os.path.abspath(__file__)), width, case, width, steps)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1]) / 1024
+    def start(case: str) -> subprocess.Popen:
+        code = (
+            "import sys, torch; sys.path.insert(0, %r); import bench;"
+            "torch.set_num_threads(2); m = bench.MLP(%d); cbs = bench.CASES_BY_NAME[%r](m);"
+            "bench.timed_fit(m, cbs, bench.loader(%d, %d), 0);"
+            "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
+        ) % (os.path.dirname(os.path.abspath(__file__)), width, case, width, steps)
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def read(process: subprocess.Popen) -> float:
+        out, err = process.communicate()
+        if process.returncode:
+            raise subprocess.CalledProcessError(process.returncode, process.args, out, err)
+        return int(out.strip().splitlines()[-1]) / 1024
+
+    if together:
+        processes = {case: start(case) for case in cases}
+        return {case: read(process) for case, process in processes.items()}
+    return {case: read(start(case)) for case in cases}
 
 
 CASES_BY_NAME: dict[str, Callable[[MLP], list[L.Callback]]] = {
@@ -628,6 +641,10 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_STEADY_MALLOC})
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small model and few steps (CI)")
+    parser.add_argument(
+        "--smoke", action="store_true",
+        help="--quick on the smallest sizes: every section runs in seconds, its timings mean nothing (the tests)",
+    )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument(
         "--depth", action="store_true", help="only the depth rows (4M parameters as 4 to 1,024 tensors)"
@@ -637,7 +654,7 @@ def main() -> None:
     parser.add_argument("--depth-fractions", default="0.01,0.2", help="fractions of the depth rows")
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    quick = args.quick
+    quick, smoke = args.quick or args.smoke, args.smoke
     if args.depth:
         depths = tuple(int(d) for d in args.depths.split(","))
         fractions = tuple(float(f) for f in args.depth_fractions.split(","))
@@ -648,7 +665,9 @@ def main() -> None:
             with open(args.json, "w") as handle:
                 json.dump({"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "depth": rows}, handle, indent=2)
         return
-    width, rounds, steps, warmup = (400, 2, 8, 2) if quick else (2500, 5, 20, 4)
+    # --smoke keeps every section and case of --quick (so the test sees each figure) on a model so
+    # small that Lightning's own per-fit cost is most of the time.
+    width, rounds, steps, warmup = (64, 2, 4, 1) if smoke else (400, 2, 8, 2) if quick else (2500, 5, 20, 4)
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "width": width}
 
     print(f"lightning-pin benchmark  {results['date']}  {results['machine']}")
@@ -745,36 +764,38 @@ def main() -> None:
             f"+ {wide:.2f} for int64 copies of the indices (tensors with at most 65,536 pinned elements)"
         )
     rss_cases = ["unpinned", "pinned 1%"] if quick else list(CASES_BY_NAME)
-    rss = {name: peak_rss_mb(width, name, 4) for name in rss_cases}
+    rss = peak_rss_mb(width, rss_cases, 4, together=smoke)
     results["peak_rss_mb"] = rss
     for name, mb in rss.items():
         print(f"  peak RSS {name:<24} {mb:8.1f} MB  ({mb / rss['unpinned']:.3f} x unpinned)")
 
     print("\nset-up: resolving 1% by fraction")
-    width_big = 1581 if quick else 5000
+    width_big = 200 if smoke else 1581 if quick else 5000
     seconds, count = setup_seconds(width_big, 4, 0.01)
     results["setup_seconds"] = {"params": count, "seconds": seconds}
     print(f"  {count / 1e6:.0f}M parameters: {seconds:.2f} s (goal < 2 s)")
 
     print("\nscaling: step time at 1% pinned / unpinned")
-    sizes = (500,) if quick else (500, 1581, 2500, 5000)
+    sizes = (width,) if smoke else (500,) if quick else (500, 1581, 2500, 5000)
     scaling = {}
     for size in sizes:
         pair = [Case("unpinned", lambda model: []), Case("pinned 1%", ours(0.01))]
-        ratio = compare(size, pair, 2, 8 if size < 5000 else 6, 2)["pinned 1%"]
+        ratio = compare(size, pair, 2, steps if smoke else 8 if size < 5000 else 6, warmup if smoke else 2)["pinned 1%"]
         scaling[4 * (size * size + size)] = ratio
         print(f"  {4 * (size * size + size) / 1e6:6.1f}M parameters: {ratio:.3f}")
     results["scaling"] = scaling
 
     print()
     if quick:  # the section runs; --depth measures it
-        results["depth"] = depth_rows((4, 64), (0.01,), ("AdamW for-loop",), 1, 4, 1, parameters=250_000)
+        results["depth"] = depth_rows((4, 64), (0.01,), ("AdamW for-loop",), 1, 4, 1,
+                                      parameters=20_000 if smoke else 250_000)
     else:
         results["depth"] = depth_rows((4, 64, 256, 1024), (0.01, 0.2), tuple(DEPTH_OPTIMIZERS), 3, 15, 3)
 
     print("\nDDP, 2 CPU processes (ddp_spawn, one thread each): step time at 1% pinned / unpinned")
-    ddp_width = 400 if quick else 1000
-    ddp_ratio = ddp_step_ratio(ddp_width, 1 if quick else 3, 8 if quick else 16, 2)
+    ddp_width = width if smoke else 400 if quick else 1000
+    ddp_steps, ddp_warmup = (steps, warmup) if smoke else (8, 2) if quick else (16, 2)
+    ddp_ratio = ddp_step_ratio(ddp_width, 1 if quick else 3, ddp_steps, ddp_warmup)
     results["ddp_step_time_ratio"] = ddp_ratio
     print(f"  {4 * (ddp_width * ddp_width + ddp_width) / 1e6:.1f}M parameters: {ddp_ratio:.3f}")
     if args.json:

@@ -1,6 +1,6 @@
-"""The benchmark's --quick mode runs end to end, so it never rots. No timing is asserted here
-(the machines are noisy): only that every section produced its figures, and the memory figure,
-which is deterministic."""
+"""The benchmark runs end to end, so it never rots: --smoke, which is --quick (every section and
+case) on the smallest sizes. No timing is asserted here (the machines are noisy, the sizes tiny):
+only that every section produced its figures, and the memory figure, which is deterministic."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 def test_quick_benchmark_reports_every_section(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--json", str(out)], capture_output=True, text=True, timeout=600
+        [sys.executable, str(BENCH), "--smoke", "--json", str(out)], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -40,3 +40,5 @@ def test_quick_benchmark_reports_every_section(tmp_path):
     assert results["naive_reset_worst_drift"] > 0  # the naive approach lets values drift
     assert results["setup_seconds"]["params"] > 0 and results["ddp_step_time_ratio"] > 0
     assert "step time / unpinned step time" in done.stdout and "prune / ours" in done.stdout
+    assert set(results["peak_rss_mb"]) == {"unpinned", "pinned 1%"} and all(results["peak_rss_mb"].values())
+    assert len(results["scaling"]) == 1 and set(results["depth"]) == {"AdamW for-loop 1% x4", "AdamW for-loop 1% x64"}
