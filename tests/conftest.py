@@ -14,3 +14,14 @@ warnings.filterwarnings("ignore", ".*GPU available but not used.*")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def fork_runner():
+    """Runs ``python -m ...`` / ``python script.py`` commands in processes forked from one that imported torch,
+    Lightning and Hydra once (tests/fork_runner.py): a subprocess without seconds of imports each time."""
+    from fork_runner import ForkRunner
+
+    runner = ForkRunner()
+    yield runner
+    runner.close()

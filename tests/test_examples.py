@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,11 +32,10 @@ def test_every_example_is_checked():
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
-def test_example_runs(example, tmp_path):
+def test_example_runs(example, tmp_path, fork_runner):
+    # `python example.py` in a process of its own, forked from one that imported torch and Lightning already.
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(
-        [sys.executable, str(example)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
-    )
+    result = fork_runner.run([sys.executable, str(example)], cwd=tmp_path, env=env, timeout=180)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "pins exact: verified" in result.stdout

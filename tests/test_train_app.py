@@ -27,22 +27,33 @@ TINY = ["trainer.max_epochs=1", "pretrain.max_epochs=1", "trainer.limit_train_ba
 CELLS = [(0, 0, 1, 1), (5, 0, 2, 2), (12, 0, 0, 1)]
 
 
-def run(args: list[str], cwd: Path, timeout: float = 240, **env_vars: str) -> subprocess.CompletedProcess:
+def run(args: list[str], cwd: Path, timeout: float = 240, runner=None, **env_vars: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1", "LIGHTNING_PIN_TRACEBACK": "0", **env_vars}
-    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if runner is None:
+        result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    else:
+        result = runner.run(args, cwd=cwd, env=env, timeout=timeout)
     result.output = result.stdout + result.stderr
     return result
 
 
-def train(*overrides: str, cwd: Path, **env_vars: str) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "lightning_pin.train", *overrides], cwd=cwd, **env_vars)
+@pytest.fixture
+def train(fork_runner):
+    """``python -m lightning_pin.train [overrides]`` as a user runs it, in a process of its own forked from one that
+    imported torch, Lightning and Hydra once (tests/fork_runner.py). The console script's test below, and
+    tests/test_packaging.py's installed wheel, start the app in fresh interpreters."""
+
+    def train(*overrides: str, cwd: Path, **env_vars: str) -> subprocess.CompletedProcess:
+        return run([sys.executable, "-m", "lightning_pin.train", *overrides], cwd=cwd, runner=fork_runner, **env_vars)
+
+    return train
 
 
 def state_dict(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
 
 
-def test_one_epoch_default_run_writes_a_report_with_exact_pins(tmp_path):
+def test_one_epoch_default_run_writes_a_report_with_exact_pins(tmp_path, train):
     result = train(*TINY, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 0, result.output
     assert "Pretraining SmallCNN" in result.output and "pins      exact: verified" in result.output
@@ -97,7 +108,7 @@ def test_export_refuses_what_is_not_a_run_or_a_format(tmp_path, capsys):
     assert "one of .safetensors, .onnx" in capsys.readouterr().err
 
 
-def test_cell_faults_are_drawn_on_the_pretrained_model_and_hold(tmp_path):
+def test_cell_faults_are_drawn_on_the_pretrained_model_and_hold(tmp_path, train):
     from lightning_pin.faults import cell_faults
 
     result = train(*TINY, "pin=cell_faults", "pin.rate=0.1", "pin.seed=2", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
@@ -141,7 +152,7 @@ def test_console_script_forwards_overrides_and_loads_ckpt_path(tmp_path):
         ("pin=fault_map", "Missing mandatory value: pin.fault_map"),
     ],
 )
-def test_bad_config_fails_before_training(tmp_path, override, message):
+def test_bad_config_fails_before_training(tmp_path, override, message, train):
     result = train(override, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 1
     assert message in result.output
@@ -154,7 +165,7 @@ def test_bad_config_fails_before_training(tmp_path, override, message):
         assert "LIGHTNING_PIN_TRACEBACK=1" in result.stderr
 
 
-def test_app_error_shows_the_traceback_on_request(tmp_path):
+def test_app_error_shows_the_traceback_on_request(tmp_path, train):
     full = train(
         "pin.params=backbone.nothing.*", f"hydra.run.dir={tmp_path}", cwd=tmp_path, LIGHTNING_PIN_TRACEBACK="1"
     )
@@ -162,7 +173,7 @@ def test_app_error_shows_the_traceback_on_request(tmp_path):
     assert "Traceback" in full.stderr and "matches no parameter" in full.stderr
 
 
-def test_multirun_writes_a_summary_row_per_job(tmp_path):
+def test_multirun_writes_a_summary_row_per_job(tmp_path, train):
     result = train(
         "-m", *TINY, "pin.fraction=0.01,0.2", f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=job${hydra.job.num}",
         cwd=tmp_path,
@@ -181,7 +192,7 @@ def test_multirun_writes_a_summary_row_per_job(tmp_path):
     assert "all jobs: trainer.max_epochs=1" in result.output
 
 
-def test_optuna_search_runs_two_trials(tmp_path):
+def test_optuna_search_runs_two_trials(tmp_path, train):
     # hparams_search=optuna needs the Hydra plugin (the optuna-sweeper extra); `lightning-pin tune` does not.
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     result = train(
@@ -196,7 +207,7 @@ def test_optuna_search_runs_two_trials(tmp_path):
     assert len(rows) == 2 and best["best_value"] == max(float(row["final"]) for row in rows)
 
 
-def test_ddp_sim_run_verifies_pins_from_spawned_workers(tmp_path):
+def test_ddp_sim_run_verifies_pins_from_spawned_workers(tmp_path, train):
     # A given checkpoint skips the pretraining: one spawn of two processes instead of two.
     torch.save({"state_dict": Classifier(SmallCNN()).state_dict()}, tmp_path / "start.pt")
     result = train(
@@ -210,7 +221,7 @@ def test_ddp_sim_run_verifies_pins_from_spawned_workers(tmp_path):
     assert [weight[c].item() for c in CELLS] == [25.0, 5.0, 125.0]
 
 
-def test_true_half_precision_run_tracks_accuracy_and_holds_the_pins(tmp_path):
+def test_true_half_precision_run_tracks_accuracy_and_holds_the_pins(tmp_path, train):
     # bf16-true casts the module: the monitor's accuracy passes go through the precision plugin.
     result = train(*TINY, "+trainer.precision=bf16-true", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 0, result.output
