@@ -36,12 +36,11 @@ def test_help_names_every_subcommand(capsys):
         assert f"    {name} " in out  # listed with its summary
 
 
-def test_train_help_lists_every_option_and_hides_the_schema_groups(tmp_path):
+def test_train_help_lists_every_option_and_hides_the_schema_groups(tmp_path, fork_runner):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_pin.train", "--help"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )
+    # python -m lightning_pin.train --help, forked from a process that imported the app (tests/fork_runner.py).
+    command = [sys.executable, "-m", "lightning_pin.train", "--help"]
+    result = fork_runner.run(command, cwd=tmp_path, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     groups = result.stdout.split("== Config (")[0]
     assert "schema" not in groups

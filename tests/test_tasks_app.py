@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -42,13 +41,14 @@ def test_fingerprint_change_is_reported():
     assert log.to_dict()["fingerprints_unchanged"] is True
 
 
-def test_experiment_continual_runs_in_the_app(tmp_path):
+def test_experiment_continual_runs_in_the_app(tmp_path, fork_runner):
     env = dict(os.environ, HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1")
     overrides = ["experiment=continual", "continual.tasks=3", "trainer.max_epochs=1", "continual.finetune_epochs=1",
                  "continual.methods=[task_ownership]",
                  f"hydra.run.dir={tmp_path}"]
-    result = subprocess.run([sys.executable, "-m", "lightning_pin.train", *overrides], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    # python -m lightning_pin.train, forked from a process that imported the app (tests/fork_runner.py).
+    command = [sys.executable, "-m", "lightning_pin.train", *overrides]
+    result = fork_runner.run(command, cwd=tmp_path, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "task ownership BWT 0.0 (exact)" in result.stdout
     report = json.loads((tmp_path / "continual_report.json").read_text())
