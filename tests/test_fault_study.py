@@ -1,18 +1,29 @@
 """``lightning-pin faults`` on a tiny budget (2 rates x 2 seeds, one epoch): the CSV with every column and the
 PNG, identical faults for the same (rate, seed) whatever the recipe, ``--jobs 2`` equal to ``--jobs 1``, resume,
-per-layer sensitivity, and bad arguments exiting 2 with one line."""
+per-layer sensitivity, and bad arguments exiting 2 with one line.
+
+The study runs its jobs as a child ``python -m lightning_pin.train -m ...``; most tests here fork that child from
+tests/fork_runner.py's process, which imported torch, Lightning and Hydra once (:func:`forked_jobs`). The launcher
+tests (submitit, ``--jobs 2`` on joblib) start it as a fresh interpreter, as the study does for a user (joblib's
+workers, forked from a forked process, took minutes to start)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
+import os
 import shutil
+import subprocess
+import threading
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_pin import cli
+from lightning_pin.app import study as study_module
 from lightning_pin.reporting import faults as report
 
 # One epoch of a few batches; no per-job report files or tables (the study writes its own).
@@ -51,10 +62,41 @@ def bits(path: Path) -> dict[str, torch.Tensor]:
     return flat
 
 
+class _ForkedJobs:
+    """What the study needs of ``subprocess.Popen`` (``poll``, ``returncode``), running the command on the fork
+    runner in a thread; its output goes to the study's log when it ends."""
+
+    def __init__(self, runner, args, stdout, stderr):
+        self.returncode = None
+        self._thread = threading.Thread(target=self._run, args=(runner, list(args), stdout), daemon=True)
+        self._thread.start()
+
+    def _run(self, runner, args, log):
+        done = runner.run(args, cwd=os.getcwd(), env=dict(os.environ), timeout=600)
+        log.write(done.stdout + done.stderr)
+        log.flush()
+        self.returncode = done.returncode
+
+    def poll(self):
+        return None if self._thread.is_alive() else self.returncode
+
+
+@contextlib.contextmanager
+def forked_jobs(runner):
+    """The study's job processes fork from the fork runner (no interpreter start-up and imports per study)."""
+    with pytest.MonkeyPatch.context() as patch:
+        forked = types.SimpleNamespace(
+            Popen=lambda args, stdout, stderr: _ForkedJobs(runner, args, stdout, stderr), STDOUT=subprocess.STDOUT
+        )
+        patch.setattr(study_module, "subprocess", forked)
+        yield
+
+
 @pytest.fixture(scope="module")
-def study(tmp_path_factory):
+def study(tmp_path_factory, fork_runner):
     out = tmp_path_factory.mktemp("study")
-    status = faults("--rates", RATES, "--seeds", "2", "--per-layer", "--out", str(out), *TINY)
+    with forked_jobs(fork_runner):
+        status = faults("--rates", RATES, "--seeds", "2", "--per-layer", "--out", str(out), *TINY)
     assert status == 0, (out / "study.log").read_text()[-3000:]
     return out
 
@@ -114,7 +156,7 @@ def test_two_parallel_jobs_give_the_numbers_of_one(study, tmp_path):
     assert "hydra/launcher=joblib" in (parallel / "study.log").read_text()
 
 
-def test_rerun_skips_finished_jobs(study, tmp_path):
+def test_rerun_skips_finished_jobs(study, tmp_path, fork_runner):
     resumed = tmp_path / "resumed"
     shutil.copytree(study, resumed)
     # An interrupted study: one job never finished.
@@ -122,7 +164,8 @@ def test_rerun_skips_finished_jobs(study, tmp_path):
     finished = resumed / "jobs/value_rate0.2_seed0/run_summary.json"
     before = finished.stat().st_mtime_ns
     (resumed / "study.log").write_text("")
-    status = faults("--rates", RATES, "--seeds", "2", "--out", str(resumed), *TINY)
+    with forked_jobs(fork_runner):
+        status = faults("--rates", RATES, "--seeds", "2", "--out", str(resumed), *TINY)
     assert status == 0, (resumed / "study.log").read_text()[-3000:]
     log = (resumed / "study.log").read_text()
     assert "pretrain.only=true" not in log  # the baseline is reused, not pretrained again
@@ -197,14 +240,15 @@ def test_draw_faults_kinds_and_the_control():
         assert a.params == b.params and torch.equal(a.indices, b.indices) and torch.equal(a.value, b.value)
 
 
-def test_bit_and_cell_kinds_run_end_to_end(study, tmp_path):
+def test_bit_and_cell_kinds_run_end_to_end(study, tmp_path, fork_runner):
     """``--kind bit`` (stuck bits, bit_faults) and ``--kind cell`` (stuck-at cells, cell_faults) on the
     study's baseline: every job's pins verified bit for bit, the faulty rate pins something."""
     ckpt = next(study.rglob("pretrained.ckpt"))
     for kind, rate in (("bit", "0.01"), ("cell", "0.2")):
         out = tmp_path / kind
-        status = faults("--kind", kind, "--rates", f"0,{rate}", "--seeds", "1", "--out", str(out),
-                        f"ckpt_path={ckpt}", *TINY)
+        with forked_jobs(fork_runner):
+            status = faults("--kind", kind, "--rates", f"0,{rate}", "--seeds", "1", "--out", str(out),
+                            f"ckpt_path={ckpt}", *TINY)
         assert status == 0, (out / "study.log").read_text()[-3000:]
         table = rows(out)
         assert [(r["kind"], float(r["rate"])) for r in table] == [(kind, 0.0), (kind, float(rate))]
