@@ -1,7 +1,9 @@
-"""FSDP2 runs for tests/test_fsdp2.py: ``python tests/fsdp2_worker.py OUT_DIR MODE``.
+"""FSDP2 runs for tests/test_fsdp2.py: ``python tests/fsdp2_worker.py OUT_DIR MODE[,MODE...]``.
 
 ModelParallelStrategy launches its ranks by re-running this command, so it is a script, not a
 test module. Each rank writes what it saw to ``OUT_DIR/<mode>-rank<r>.pt``; the test reads them.
+Several modes run one after the other in the same two processes (the first fit launches rank 1,
+later fits find it running): one start-up of two interpreters for all of them.
 
 Modes:
 - ``train``: element, fraction and whole-tensor pins, stuck bits and bounds, under AdamW with weight decay and gradient
@@ -133,4 +135,9 @@ def main(out_dir: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    for number, each in enumerate(sys.argv[2].split(",")):
+        if number:
+            # Each fit's process group on a port of its own (both ranks count alike): a rank that starts the
+            # next fit first must not reach the store of the one the other rank is still tearing down.
+            os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+        main(sys.argv[1], each)

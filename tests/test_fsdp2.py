@@ -2,7 +2,8 @@
 bounds held) on every rank's shards after every step, resume from a distributed checkpoint, mismatched plans refused.
 
 The runs live in tests/fsdp2_worker.py: ModelParallelStrategy launches its second rank by
-re-running the command, so each run is a subprocess of its own.
+re-running the command, so the runs are a subprocess of their own: all three modes, one after the other, in
+one pair of processes (a start-up of two interpreters costs more than the runs).
 """
 
 from __future__ import annotations
@@ -30,19 +31,27 @@ def assert_faults_hold(params: dict, where: str) -> None:
     assert bool((params["c.bias"][[0, 2]] >= 0).all()), f"c.bias below 0 {where}"
 
 
-def run(out_dir: Path, mode: str) -> list[dict]:
+MODES = ("train", "resume", "mismatch")
+
+
+def run(out_dir: Path, modes: tuple[str, ...]) -> dict[str, list[dict]]:
     env = dict(os.environ, PYTHONPATH=str(WORKER.parent.parent))
     done = subprocess.run(
-        [sys.executable, str(WORKER), str(out_dir), mode], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(WORKER), str(out_dir), ",".join(modes)], env=env, capture_output=True, text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return [torch.load(out_dir / f"{mode}-rank{r}.pt", weights_only=True) for r in (0, 1)]
+    return {mode: [torch.load(out_dir / f"{mode}-rank{r}.pt", weights_only=True) for r in (0, 1)] for mode in modes}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp2")
-    return run(out, "train"), run(out, "resume")
+def all_runs(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("fsdp2"), MODES)
+
+
+@pytest.fixture(scope="module")
+def runs(all_runs):
+    return all_runs["train"], all_runs["resume"]
 
 
 def step_records(rank: dict) -> list[dict]:
@@ -99,7 +108,7 @@ def test_resume_from_distributed_checkpoint_keeps_targets(runs):
         assert not torch.equal(steps[-1]["c.weight"], before["c.weight"])
 
 
-def test_mismatched_plans_across_ranks_are_refused(tmp_path):
-    for rank in run(tmp_path, "mismatch"):
+def test_mismatched_plans_across_ranks_are_refused(all_runs):
+    for rank in all_runs["mismatch"]:
         assert rank["outcome"].startswith("PinError: the ranks resolved different pins")
         assert rank["steps"] == []
