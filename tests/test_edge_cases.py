@@ -5,9 +5,9 @@ handed back after ddp_spawn, compiled modules, bool values."""
 from __future__ import annotations
 
 import functools
-import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -107,18 +107,21 @@ def is_task(batch, batch_idx, task):
     return batch_idx % 2 == task
 
 
-def test_partial_when_has_the_same_fingerprint_in_another_process():
+def test_partial_when_has_the_same_fingerprint_in_another_process(tmp_path, fork_runner):
     pin = Pin("w", when=functools.partial(is_task, task=1))
     script = textwrap.dedent(
-        """
+        f"""
         import functools, sys
-        sys.path.insert(0, "tests")
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_edge_cases import is_task
         from lightning_pin import Pin
         print(Pin("w", when=functools.partial(is_task, task=1)).fingerprint())
         """
     )
-    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    (tmp_path / "other.py").write_text(script)
+    # Another interpreter (with its own hash seed), forked from one that imported Lightning already.
+    other = fork_runner.run([sys.executable, str(tmp_path / "other.py")], cwd=tmp_path)
+    assert other.returncode == 0, other.stderr
     assert other.stdout.strip() == pin.fingerprint()
     assert Pin("w", when=functools.partial(is_task, task=0)).fingerprint() != pin.fingerprint()
 
