@@ -3,9 +3,9 @@ PNG, identical faults for the same (rate, seed) whatever the recipe, ``--jobs 2`
 per-layer sensitivity, and bad arguments exiting 2 with one line.
 
 The study runs its jobs as a child ``python -m lightning_pin.train -m ...``; most tests here fork that child from
-tests/fork_runner.py's process, which imported torch, Lightning and Hydra once (:func:`forked_jobs`). The launcher
-tests (submitit, ``--jobs 2`` on joblib) start it as a fresh interpreter, as the study does for a user (joblib's
-workers, forked from a forked process, took minutes to start)."""
+tests/fork_runner.py's process, which imported torch, Lightning and Hydra once (:func:`forked_jobs`). The joblib
+test (``--jobs 2``) starts it as a fresh interpreter, as the study does for a user (joblib's workers, started from a
+forked process, took minutes to come up)."""
 
 from __future__ import annotations
 
@@ -125,13 +125,15 @@ def test_writes_every_column_the_png_and_a_table(study, capsys):
     assert (study / report.LAYER_PNG).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_same_rate_and_seed_draw_the_same_faults_whatever_the_recipe_and_launcher(study, tmp_path):
+def test_same_rate_and_seed_draw_the_same_faults_whatever_the_recipe_and_launcher(study, tmp_path, fork_runner):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     other = tmp_path / "sgd"
     ckpt = study / "baseline" / "pretrained.ckpt"
-    # Another recipe (SGD), on submitit's local launcher (what submitit_slurm runs on a cluster).
-    status = faults("--rates", "0.2", "--seeds", "1", "--out", str(other), *TINY, f"ckpt_path={ckpt}", "optimizer=sgd",
-                    "hydra/launcher=submitit_local")
+    # Another recipe (SGD), on submitit's local launcher (what submitit_slurm runs on a cluster): the multirun
+    # forks from the fork runner, submitit starts its job in a fresh interpreter.
+    with forked_jobs(fork_runner):
+        status = faults("--rates", "0.2", "--seeds", "1", "--out", str(other), *TINY, f"ckpt_path={ckpt}",
+                        "optimizer=sgd", "hydra/launcher=submitit_local")
     assert status == 0, (other / "study.log").read_text()[-3000:]
     assert (other / "jobs" / ".submitit").is_dir()
     job = "jobs/value_rate0.2_seed0/fault_map.pt"
