@@ -101,6 +101,9 @@ class ForkRunner:
     def __init__(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="fork_runner_")
         self._count = 0
+        self._server: Optional[subprocess.Popen] = None
+        if not hasattr(os, "fork"):  # Windows: every command in a fresh interpreter, as before
+            return
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -120,6 +123,8 @@ class ForkRunner:
         ``args[0]`` must be the interpreter (``sys.executable``), then ``-m module ...`` or ``script ...``.
         """
         assert args[0] == sys.executable, f"the fork runner runs Python commands only, not {args[0]!r}"
+        if self._server is None:
+            return subprocess.run(list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         self._count += 1
         out, err = (os.path.join(self._dir, f"{self._count}.{name}") for name in ("out", "err"))
         request = {"argv": list(args), "cwd": str(cwd), "env": None if env is None else dict(env),
@@ -136,8 +141,9 @@ class ForkRunner:
         return subprocess.CompletedProcess(list(args), json.loads(reply)["status"], *texts)
 
     def close(self) -> None:
-        self._server.stdin.close()
-        self._server.wait(timeout=60)
+        if self._server is not None:
+            self._server.stdin.close()
+            self._server.wait(timeout=60)
         os.rmdir(self._dir)
 
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
+# Without fork (Windows) the runner runs each command in a fresh interpreter: subprocess.run itself.
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the fork runner needs os.fork")
+
 
 def test_a_module_runs_as_main_with_its_arguments_environment_and_directory(fork_runner, tmp_path):
     (tmp_path / "probe.py").write_text(
