@@ -294,6 +294,7 @@ class _Installed:
         for name in self.step.names:
             if self.step.engine._dense_grad_masks.get(name) is self.step:
                 del self.step.engine._dense_grad_masks[name]
+                self.step.engine._grad_masks = None
 
 
 def install(engine: Any, optimizers: Sequence[Optimizer], warn: Callable[[str], Any]) -> list[_Installed]:
@@ -321,5 +322,6 @@ def install(engine: Any, optimizers: Sequence[Optimizer], warn: Callable[[str], 
         optimizer.__dict__["step"] = step
         for name in step.names:
             engine._dense_grad_masks[name] = step
+            engine._grad_masks = None
         handles.append(_Installed(optimizer, step, replaced))
     return handles

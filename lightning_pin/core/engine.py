@@ -14,6 +14,7 @@ register with :meth:`PinEngine.register_restore_hook` and get a removable handle
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -164,7 +165,9 @@ class PinEngine:
         # through .data do not count): another write since (model.load_state_dict, a user's
         # copy_) moves the counter, and the restore must not take the tensor as untouched.
         self._written_version: dict[str, int] = {}
-        self._by_name: dict[frozenset[int], dict[str, Target]] = {}
+        # Gradient masks of the active pins by parameter name (see _build_grad_masks); None: stale.
+        self._grad_masks: Optional[dict[str, Callable[[Tensor], None]]] = None
+        self._grad_mask_pairs: list[tuple[Tensor, Callable[[Tensor], None]]] = []
         # What restore() does for each optimizer (by id; None: all) under the current targets.
         self._step_cache: dict[int, tuple[Any, ...]] = {}
         self._faults: dict[frozenset[int], list[Projection]] = {}
@@ -239,6 +242,8 @@ class PinEngine:
         new = frozenset(pin_ids)
         started = sorted(new - self.active)
         stopped = self.active - new
+        if new != self.active:
+            self._grad_masks = None
         self.active = new
         if started:
             self._activate(started)
@@ -272,9 +277,9 @@ class PinEngine:
         return self.plan.pins[pin_id].pin.kind == "value"
 
     def _forget(self, pin_id: int) -> None:
-        for cache in (self._targets, self._by_name):
-            for key in [k for k in cache if pin_id in k]:
-                del cache[key]
+        for key in [k for k in self._targets if pin_id in k]:
+            del self._targets[key]
+        self._grad_masks = None
 
     # ----------------------------------------------------------------------------------------
     # Targets
@@ -405,23 +410,45 @@ class PinEngine:
 
     def _grad_hook(self, name: str) -> Callable[[Tensor], None]:
         def hook(parameter: Tensor) -> None:
-            # Runs once per pinned parameter and backward: one dict lookup and one kernel.
-            target = self._targets_by_name().get(name)
+            # Runs once per pinned parameter and backward, hundreds of times a step in a deep
+            # model: a dict lookup and one kernel (see _grad_masks).
+            masks = self._grad_masks if self._grad_masks is not None else self._build_grad_masks()
+            mask = masks.get(name)
             grad = parameter.grad
-            if target is not None and grad is not None:
+            if mask is not None and grad is not None:
                 if torch.is_grad_enabled():  # backward with create_graph=True
                     with torch.no_grad():
-                        self._zero_grad(target, grad)
+                        mask(grad)
                 else:
-                    self._zero_grad(target, grad)
+                    mask(grad)
 
         return hook
 
-    def _targets_by_name(self) -> dict[str, Target]:
-        by_name = self._by_name.get(self.active)
-        if by_name is None:
-            by_name = self._by_name[self.active] = {t.name: t for t in self.targets()}
-        return by_name
+    def _build_grad_masks(self) -> dict[str, Callable[[Tensor], None]]:
+        """Per pinned parameter, what zeroes its active pinned gradients: kept until the active
+        pins, their targets or a compiled step's dense masks change (``_grad_masks = None``)."""
+        masks: dict[str, Callable[[Tensor], None]] = {}
+        for target in self.targets():
+            if self._dense_grad_masks:
+                masks[target.name] = functools.partial(self._zero_grad, target)
+            else:
+                masks[target.name] = target.mask_grad
+        self._grad_masks = masks
+        self._grad_mask_pairs = [(self.plan.parameters[name], mask) for name, mask in masks.items()]
+        return masks
+
+    @torch.no_grad()
+    def mask_all_grads(self) -> None:
+        """Zero the active pinned gradients of every pinned parameter, in one call: what the hooks
+        of :meth:`register_grad_hooks` do one parameter at a time, for drivers that know when a
+        whole backward has finished (:func:`~lightning_pin.pin` on a deep model). Wholly pinned
+        tensors get a zero gradient, as from the hooks."""
+        if self._grad_masks is None:
+            self._build_grad_masks()
+        for parameter, mask in self._grad_mask_pairs:
+            grad = parameter.grad
+            if grad is not None:
+                mask(grad)
 
     @torch.no_grad()
     def drop_whole_grads(self, optimizer: Optimizer | None = None) -> None:
@@ -742,6 +769,7 @@ class PinEngine:
                 self.captured[pin_id] = captured
                 self._forget(pin_id)
         self.active = frozenset(saved.active & usable)
+        self._grad_masks = None
         last = saved.last_step_active
         self.last_step_active = None if last is None else frozenset(last & usable)
         return saved

@@ -3,9 +3,12 @@
 Same engine and guarantee as :class:`~lightning_pin.PinCallback`, driven by torch's own hooks
 instead of Lightning's:
 
-- gradient hooks (``register_post_accumulate_grad_hook``) zero pinned gradients as backward
-  accumulates them, so they are zero when ``loss.backward()`` returns: clipping, a ``GradScaler``
-  and the optimizer never see them, on every micro-batch of an accumulation window;
+- one callback at the end of each backward through the module's forward
+  (:mod:`~lightning_pin.core.backward_end`) zeroes every pinned gradient once backward has
+  accumulated them, so they are zero when ``loss.backward()`` returns: clipping, a
+  ``GradScaler`` and the optimizer never see them, on every micro-batch of an accumulation
+  window. One call per backward rather than a Python hook per parameter (sharded parameters,
+  and any run where a backward bypasses the module's output, use a hook per parameter);
 - a step pre-hook drops the gradients of wholly pinned tensors (the optimizer then skips them,
   weight decay and state included) and checks that ``when`` pins were decided for this batch;
 - a step post-hook writes every pinned value back right after each real step (a step the scaler
@@ -30,6 +33,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_pin.core.backward_end import EndOfBackward
 from lightning_pin.core.buffers import BufferHold
 from lightning_pin.core.compiled_step import install
 from lightning_pin.core.engine import PinEngine, is_sharded
@@ -174,12 +178,23 @@ class PinHandle:
             for name, parameter in engine.plan.parameters.items()
             if not is_sharded(parameter)
         }
+        # Pinned gradients are zeroed all at once at the end of each backward through the module
+        # (core/backward_end.py) rather than by a hook per parameter: sharded parameters (FSDP2
+        # assigns their gradients itself) keep the hooks. _masked_for: ids of the optimizers
+        # whose parameters were masked since their last step.
+        self._grouped = not any(is_sharded(p) for p in engine.plan.parameters.values())
+        self._end_of_backward: Optional[EndOfBackward] = None
+        self._masked_for: set[int] = set()
         # What _module_intact compares, built at its first call.
         self._intact: tuple[list[tuple[nn.Module, str, nn.Module]], list[tuple[Any, ...]]] | None = None
 
     def _attach(self) -> None:
         engine = self.engine
-        self._handles += engine.register_grad_hooks()
+        if self._grouped:
+            self._end_of_backward = EndOfBackward(self.module, self._after_backward)
+            self._handles.append(self._end_of_backward)
+        else:
+            self._handles += engine.register_grad_hooks()
         for optimizer in self.optimizers:
             self._handles.append(optimizer.register_step_pre_hook(self._before_step))
         self._handles += engine.attach(self.optimizers)  # restores after each step
@@ -281,8 +296,43 @@ class PinHandle:
         self.engine.set_active(self.engine.ids_at(self.step, self._hits))
         self.buffers.update(self.engine.active)
 
+    def _after_backward(self) -> None:
+        self.engine.mask_all_grads()
+        self._masked_for = {id(o) for o in self.optimizers}
+
+    def _check_masked(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """Before a step, in grouped mode: the gradients it reads were masked at the end of a backward.
+
+        If not (the loss came from a submodule called directly, not from the module's output),
+        mask them now, so the step is exact, and zero pinned gradients from now on with a hook per
+        parameter as backward accumulates them. A step given a closure runs its backward inside."""
+        # torch passes the optimizer itself as args[0]; a closure comes after it or by keyword.
+        if id(optimizer) in self._masked_for or len(args) > 1 or kwargs.get("closure") is not None:
+            return
+        held = self.engine._names_of(optimizer)
+        if all(p.grad is None for n, p in self.engine.plan.parameters.items() if n in held):
+            return
+        warnings.warn(
+            f"pin(): the gradients of the pinned parameters reached {type(optimizer).__name__}.step() without a "
+            f"backward through {type(self.module).__name__}'s forward output (is the loss computed from a submodule "
+            "called directly?). They are zeroed now, before the step, and from now on as backward accumulates "
+            "them (a hook per parameter); anything that read them since backward (gradient clipping) saw them "
+            "unmasked this once.",
+            UserWarning,
+            stacklevel=4,
+        )
+        self.engine.mask_all_grads()
+        if self._end_of_backward is not None:
+            self._end_of_backward.remove()
+            self._handles.remove(self._end_of_backward)
+            self._end_of_backward = None
+        self._handles += self.engine.register_grad_hooks()
+        self._grouped = False
+
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._check_module("before optimizer.step()")
+        if self._grouped:
+            self._check_masked(optimizer, args, kwargs)
         if self._has_when and id(optimizer) not in self._decided:
             raise PinError(
                 "a pin has `when`, but handle.batch_start(batch, batch_idx) was not called since this "
@@ -297,6 +347,7 @@ class PinHandle:
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._decided.discard(id(optimizer))
+        self._masked_for.discard(id(optimizer))
         if optimizer is not self.optimizers[0]:
             return
         self.step += 1
