@@ -491,10 +491,11 @@ class PinEngine:
         pinned gradients stay out of momentum, adaptive statistics and the clip norm.
         """
         self.drop_whole_grads(optimizer)
+        masks = self._grad_masks if self._grad_masks is not None else self._build_grad_masks()
         for target in self._owned(optimizer):
             grad = target.parameter.grad
             if grad is not None:
-                self._zero_grad(target, grad)
+                masks[target.name](grad)
 
     def _zero_grad(self, target: Target, grad: Tensor) -> None:
         # A compiled step (compile_step=True) may mask this tensor with a dense mask of its own.
