@@ -203,6 +203,10 @@ class PinCallback(Callback):
             if self.buffers:  # before the step check, which checks the buffers too
                 self._handles.append(self.buffers.attach(self.engine))
             if self.compile_step:
+                # Without clipping nothing reads the gradients between backward and the step: the
+                # compiled step ignores pinned gradients, and masking them in memory would cost a
+                # pass over every gradient it holds.
+                self.engine.grads_read_before_step = _clips_gradients(trainer, pl_module)
                 self._handles += install(self.engine, trainer.optimizers, rank_zero_warn)
             if self.verify_at == "step":
                 self._handles.append(self.engine.register_restore_hook(lambda stats: self._check()))
@@ -564,3 +568,11 @@ def _raise_if_any_rank_rejected(trainer: pl.Trainer, pl_module: pl.LightningModu
             raise PinError("another rank rejected its pins (see its error); every rank stops before training")
     if rejected is not None:
         raise rejected
+
+
+def _clips_gradients(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether Lightning reads the gradients between backward and the optimizer step: the Trainer
+    clips (``gradient_clip_val``) or the module overrides ``configure_gradient_clipping``."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return bool(trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", pl_module)

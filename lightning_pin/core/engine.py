@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import PinPlan, Selection, call_when
 from lightning_pin.core.layouts import _Layout
-from lightning_pin.core.parking import PARKED_VALUE, StatisticsParking
+from lightning_pin.core.parking import OPTIMIZER_STATE_KEYS, PARKED_VALUE, StatisticsParking
 from lightning_pin.core.projections import ExactValue, Interval, Projection, StuckBits, merge_faults
 from lightning_pin.core.sharding import (
     LocalPart,
@@ -48,20 +48,6 @@ __all__ = [
     "copy_at", "fill_at", "flat_view", "is_sharded", "local_part", "local_tensor",
 ]
 
-
-#: Per-element optimizer statistics that push an element, zeroed when a step-window pin activates.
-#: Step sizes (Rprop ``step_size``) and weight averages (ASGD ``ax``) are left alone.
-OPTIMIZER_STATE_KEYS = (
-    "momentum_buffer",
-    "exp_avg",
-    "exp_avg_sq",
-    "max_exp_avg_sq",
-    "square_avg",
-    "grad_avg",
-    "acc_delta",
-    "sum",
-    "prev",
-)
 
 # Optimizers that leave a parameter whose grad is None completely alone (no update, no weight
 # decay, no state change). Exact types only: a subclass may override step(). For these, a
@@ -178,7 +164,13 @@ class PinEngine:
         # Optimizers whose compiled step (core/compiled_step.py) restored values itself, by id:
         # (names it restored, |value - target| before its restore when stats were wanted, else None).
         self._fused: dict[int, tuple[frozenset[str], Optional[list[Tensor]]]] = {}
-        # Compiled steps that mask gradients with a dense bit-and, by parameter name (mask_grad).
+        #: Whether anything reads the gradients between backward and the step (gradient clipping):
+        #: pinned gradients must then be zero in memory before it. When False, tensors that a
+        #: compiled step holds (compile_step=True) are not masked in memory: the step ignores their
+        #: pinned gradients. pin() keeps True (its gradients are zero when backward returns);
+        #: PinCallback sets False when the Trainer does not clip.
+        self.grads_read_before_step = True
+        # Compiled steps that mask gradients densely, by parameter name (mask_grad).
         self._dense_grad_masks: dict[str, Any] = {}
 
     @property
