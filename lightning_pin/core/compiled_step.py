@@ -159,13 +159,13 @@ DENSE_FROM = 0.05
 
 
 def _pinned_fractions(plan: Any) -> dict[str, float]:
-    """Per parameter, the fraction of its elements some pin selects (overlaps counted twice)."""
+    """Per parameter, the fraction of its elements some element pin selects (overlaps counted
+    twice). Whole-tensor pins do not count: their gradients are dropped, the step skips them."""
     counts: dict[str, int] = {}
     for rp in plan.pins:
         for name, selection in rp.selections.items():
-            if selection.kind == "value":
-                size = selection.parameter.numel() if selection.index is None else selection.index.numel()
-                counts[name] = counts.get(name, 0) + size
+            if selection.kind == "value" and selection.index is not None:
+                counts[name] = counts.get(name, 0) + selection.index.numel()
     return {name: min(1.0, n / max(plan.parameters[name].numel(), 1)) for name, n in counts.items()}
 
 
