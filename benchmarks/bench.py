@@ -508,29 +508,34 @@ def depth_rounds(
     layers: int, fraction: float, optimizer: str, rounds: int, steps: int, warmup: int, parameters: int = 4_000_000
 ) -> dict[str, Any]:
     """Plain-loop step times (forward of a batch of 16, backward, step, zero_grad) with ``pin()``
-    on ``fraction`` of every weight and without, interleaved round by round. Returns the median
-    step times, the ratio per round and the microseconds pinning adds per pinned tensor and step."""
+    on ``fraction`` of every weight and without. Both loops live side by side and take turns step
+    by step (the order flips every step), so that the machine's noise, which on a shared host
+    comes in bursts longer than a step, hits both alike. Returns the median step times, the ratio
+    of medians per round and the microseconds pinning adds per pinned tensor and step."""
     from lightning_pin import pin
 
     pinned_ms, unpinned_ms, ratios, cpu_ratios = [], [], [], []
     for _ in range(rounds):
-        medians: dict[bool, tuple[float, float]] = {}
+        loops = {}
         for pinned in (False, True):
             model, names = _deep_stack(layers, parameters)
             opt = DEPTH_OPTIMIZERS[optimizer](model.parameters())
-            x = torch.randn(16, model[0].in_features)
-            gc.collect()
-            wall, cpu = [], []
-            context = pin(model, opt, [Pin(names, fraction=fraction, seed=0)]) if pinned else nullcontext()
-            with context:
-                for _ in range(warmup + steps):
-                    started, started_cpu = time.perf_counter(), time.process_time()
-                    model(x).square().mean().backward()
-                    opt.step()
-                    opt.zero_grad()
+            handle = pin(model, opt, [Pin(names, fraction=fraction, seed=0)]) if pinned else None
+            loops[pinned] = (model, opt, handle, [], [])
+        x = torch.randn(16, loops[False][0][0].in_features)
+        gc.collect()
+        for step in range(warmup + steps):
+            for pinned in ((False, True) if step % 2 else (True, False)):
+                model, opt, _, wall, cpu = loops[pinned]
+                started, started_cpu = time.perf_counter(), time.process_time()
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if step >= warmup:
                     wall.append(time.perf_counter() - started)
                     cpu.append(time.process_time() - started_cpu)
-            medians[pinned] = (statistics.median(wall[warmup:]), statistics.median(cpu[warmup:]))
+        loops[True][2].remove()
+        medians = {k: (statistics.median(v[3]), statistics.median(v[4])) for k, v in loops.items()}
         unpinned_ms.append(medians[False][0] * 1e3)
         pinned_ms.append(medians[True][0] * 1e3)
         ratios.append(medians[True][0] / medians[False][0])
@@ -642,7 +647,7 @@ def main() -> None:
         depths = tuple(int(d) for d in args.depths.split(","))
         fractions = tuple(float(f) for f in args.depth_fractions.split(","))
         optimizers = tuple(args.depth_optimizers.split(","))
-        rows = depth_rows(depths, fractions, optimizers, *((2, 6, 2) if quick else (5, 15, 3)),
+        rows = depth_rows(depths, fractions, optimizers, *((2, 6, 2) if quick else (5, 30, 5)),
                           parameters=250_000 if quick else 4_000_000)
         if args.json:
             with open(args.json, "w") as handle:
