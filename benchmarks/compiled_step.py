@@ -15,8 +15,8 @@ the pinned step), for each optimizer and pinned fraction (random elements of eve
   (``pin()`` keeps them zero when backward returns), then torch's step compiled with the pinned
   elements and their statistics held where they were, in the update's own kernel;
 - ``pinned compiled, no read``: the same when nothing reads the gradients between backward and the
-  step (``PinCallback(compile_step=True)`` in a Trainer that does not clip): no pass over the
-  gradients at all, the compiled step ignores pinned ones.
+  step (``pin(..., compile_step=True, zero_pinned_grads=False)``, or ``PinCallback(compile_step=True)``
+  in a Trainer that does not clip): no pass over the gradients at all, the step ignores pinned ones.
 
 Rounds interleave every case, so machine noise hits all alike; medians of the per-round medians
 are reported, with the compile time (the first call) and the memory the pins hold per pinned
@@ -63,9 +63,8 @@ class Case:
             self.step = torch.compile(self.optimizer.step) if compiled else self.optimizer.step
         else:
             pins = [Pin(f"{i}.weight", fraction=fraction, seed=i) for i in range(layers)]
-            self.handle = pin(self.net, self.optimizer, pins, compile_step=compiled)
+            self.handle = pin(self.net, self.optimizer, pins, compile_step=compiled, zero_pinned_grads=read_grads)
             engine, optimizer = self.handle.engine, self.optimizer
-            engine.grads_read_before_step = read_grads
 
             def step() -> None:
                 engine.mask_grads(optimizer)  # what the gradient hooks do during backward

@@ -312,3 +312,38 @@ def test_a_write_between_steps_is_undone_by_the_next_step():
                 model[0].weight.data = torch.full_like(model[0].weight, -7.0)  # a .data swap
         handle.verify()
         assert "0.weight" in optimizer.__dict__["step"].names
+
+
+def test_pin_can_leave_pinned_gradients_to_the_compiled_step():
+    """zero_pinned_grads=False: gradients as backward made them; pinned elements exact, free ones
+    bit-identical to torch.compile(opt.step) on an unpinned copy fed the very same gradients."""
+    model, reference = _model(), _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+    ref_step = torch.compile(ref_optimizer.step)
+    with pin(model, optimizer, [Pin("0.weight", fraction=0.5, seed=2)], compile_step=True,
+             zero_pinned_grads=False) as handle:
+        target = handle.engine.targets()[0]
+        index = target.index.long()
+        with torch.no_grad():
+            reference[0].weight.view(-1)[index] = target.values
+        free = torch.ones(30, dtype=torch.bool)
+        free[index] = False
+        for step in range(4):
+            x = torch.randn(8, 6)
+            for m in (model, reference):
+                m(x).square().mean().backward()
+            if step > 0:  # the first step creates the statistics from masked gradients
+                assert model[0].weight.grad.view(-1)[index].abs().sum() > 0
+                assert torch.equal(model[0].weight.grad, reference[0].weight.grad)
+            else:
+                reference[0].weight.grad.view(-1)[index] = 0.0
+            optimizer.step()
+            ref_step()
+            for m, o in ((model, optimizer), (reference, ref_optimizer)):
+                o.zero_grad()
+            handle.verify()
+            assert torch.equal(model[0].weight.view(-1)[free], reference[0].weight.view(-1)[free]), step
+            assert torch.equal(model[2].weight, reference[2].weight), step
+            with torch.no_grad():
+                reference[0].weight.view(-1)[index] = target.values

@@ -443,7 +443,7 @@ class PinHandle:
 
 
 def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pins: PinsLike, *, strict: bool = True,
-        compile_step: bool = False) -> PinHandle:
+        compile_step: bool = False, zero_pinned_grads: bool = True) -> PinHandle:
     """Pin ``pins`` on ``module`` for a plain PyTorch loop (or Fabric, or any trainer); return the handle.
 
     Resolves every pin on ``module`` (a plain ``nn.Module``, a ``torch.compile`` wrapper or a
@@ -457,9 +457,14 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         optimizers: Its optimizer, or a list of them; ``handle.step`` counts the first one's steps.
         pins: :class:`Pin`\\ s, or mappings with the same keys.
         strict: Refuse saved pin state that does not match in :meth:`PinHandle.load_state_dict`.
-        compile_step: Run each optimizer's step through ``torch.compile`` with the restore of pinned
-            values fused into it (:mod:`lightning_pin.core.compiled_step`); where it cannot be
-            compiled the step stays eager, with one warning saying why.
+        compile_step: Run each optimizer's step through ``torch.compile`` with the pinning fused
+            into it (:mod:`lightning_pin.core.compiled_step`); where it cannot be compiled the step
+            stays eager, with one warning saying why.
+        zero_pinned_grads: With ``compile_step``, False leaves the gradients of the tensors the
+            compiled step holds as backward made them (the step ignores pinned ones), saving a pass
+            over those gradients per backward. Only when nothing reads the gradients between
+            ``backward()`` and ``step()``: gradient clipping and ``GradScaler.unscale_`` would see
+            the pinned ones. Without ``compile_step`` it changes nothing.
 
     Under torch.distributed, call it on every rank with the same pins: the ranks compare what
     they resolved once (one small all-reduce), and all of them raise if one rejects its pins.
@@ -514,6 +519,7 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     if rejected is not None:
         raise rejected
     handle = PinHandle(target, optimizer_list, engine, strict=strict, compile_step=compile_step)
+    engine.grads_read_before_step = bool(zero_pinned_grads)
     try:
         # Capture and force the pins of step 0 before attaching to the optimizers, so that their
         # statistics are zeroed at the first step, not now (see PinHandle._pending_reset).
