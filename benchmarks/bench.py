@@ -580,6 +580,42 @@ def depth_rows(
     return rows
 
 
+def depth_trainer_rows(depths: tuple[int, ...], fraction: float, rounds: int, steps: int, warmup: int,
+                       parameters: int = 4_000_000) -> dict[str, dict[str, Any]]:
+    """The depth rows through the callback's door: a real ``Trainer.fit`` of ``N`` square Linear
+    layers (AdamW, batch 16, one thread) with ``PinCallback`` on ``fraction`` of every weight and
+    without, fits interleaved round by round (median of per-fit median step times)."""
+    print(f"depth at fixed size, PinCallback in Trainer.fit: {parameters / 1e6:.3g}M parameters as N layers, "
+          f"{fraction:.0%} of every weight; median of {rounds} interleaved fits of {steps} steps")
+    print(f"  {'tensors':>8}{'unpinned ms':>13}{'pinned ms':>11}{'ratio':>8}{'us/tensor':>11}   rounds")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = {}
+    for layers in depths:
+        width = max(2, round((parameters / layers) ** 0.5))
+        data = DataLoader(TensorDataset(torch.randn((steps + warmup) * 16, width)), batch_size=16)
+        pinned_ms, unpinned_ms = [], []
+        for _ in range(rounds):
+            for pinned in (False, True):
+                torch.manual_seed(0)
+                model = MLP(width, layers)
+                pins = [Pin([f"layers.{i}.weight" for i in range(layers)], fraction=fraction, seed=0)]
+                callbacks = [PinCallback(pins, verbose=False, monitor=False)] if pinned else []
+                gc.collect()
+                (pinned_ms if pinned else unpinned_ms).append(timed_fit(model, callbacks, data, warmup) * 1e3)
+        ratios = [p / u for p, u in zip(pinned_ms, unpinned_ms)]
+        row = {
+            "unpinned_ms": statistics.median(unpinned_ms), "pinned_ms": statistics.median(pinned_ms),
+            "ratio": statistics.median(ratios), "rounds": ratios,
+            "us_per_pinned_tensor": statistics.median((p - u) * 1e3 / layers for p, u in zip(pinned_ms, unpinned_ms)),
+        }
+        rows[f"callback {fraction:.0%} x{layers}"] = row
+        print(f"  {layers:>8}{row['unpinned_ms']:>13.1f}{row['pinned_ms']:>11.1f}{row['ratio']:>8.3f}"
+              f"{row['us_per_pinned_tensor']:>11.1f}   " + " ".join(f"{r:.3f}" for r in ratios), flush=True)
+    torch.set_num_threads(threads)
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 # Reporting
 
@@ -640,9 +676,21 @@ def main() -> None:
     parser.add_argument("--depths", default="4,64,256,1024", help="tensor counts of the depth rows")
     parser.add_argument("--depth-optimizers", default=",".join(DEPTH_OPTIMIZERS), help="optimizers of the depth rows")
     parser.add_argument("--depth-fractions", default="0.01,0.2", help="fractions of the depth rows")
+    parser.add_argument("--depth-trainer", action="store_true", help="the depth rows through PinCallback in a Trainer")
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     quick = args.quick
+    if args.depth_trainer:
+        depths = tuple(int(d) for d in args.depths.split(","))
+        rows = {}
+        for f in (float(f) for f in args.depth_fractions.split(",")):
+            rows.update(depth_trainer_rows(depths, f, *((1, 4, 1) if quick else (5, 30, 5)),
+                                           parameters=250_000 if quick else 4_000_000))
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "depth_trainer": rows}, handle,
+                          indent=2)
+        return
     if args.depth:
         depths = tuple(int(d) for d in args.depths.split(","))
         fractions = tuple(float(f) for f in args.depth_fractions.split(","))

@@ -29,6 +29,7 @@ import argparse
 import json
 import statistics
 import time
+import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -133,7 +134,14 @@ def trainer_rows(width: int, layers: int, fractions: list[float], optimizers: li
             optimizer_closure()  # forward and backward, as Lightning's step would run them
             if self._step is None:
                 raw = inspect.unwrap(type(optimizer.optimizer).step)
-                self._step = torch.compile(lambda opt: raw(opt), fullgraph=True)
+
+                def step(opt: torch.optim.Optimizer) -> None:
+                    raw(opt)
+
+                # A code object of its own per fit: dynamo caches graphs per code object, and after
+                # 8 optimizers on one it would run them eager.
+                fresh = types.FunctionType(step.__code__.replace(), step.__globals__, "step", None, step.__closure__)
+                self._step = torch.compile(fresh, fullgraph=True)
             with torch.no_grad():
                 self._step(optimizer.optimizer)
 
