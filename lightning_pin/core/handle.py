@@ -38,7 +38,7 @@ from lightning_pin.core.buffers import BufferHold
 from lightning_pin.core.compiled_step import install
 from lightning_pin.core.engine import PinEngine, is_sharded
 from lightning_pin.core.errors import PinError
-from lightning_pin.core.modules import unwrap
+from lightning_pin.core.modules import ParameterWatch, unwrap
 from lightning_pin.core.plan import PinPlan, check_conflicts, refuse_sparse_gradients, resolve
 from lightning_pin.core.spec import Pin
 
@@ -167,17 +167,9 @@ class PinHandle:
         #: Buffers of the modules the pins freeze (BatchNorm running statistics), held with them.
         self.buffers = BufferHold(engine.plan, module)
         self._compile_step = compile_step
-        # What each pinned parameter was when the pins were resolved: the object itself and its
-        # dtype and device. A step is refused if the module holds another object under the name
-        # (re-initialised, tied, replaced) or the tensor was cast or moved: the engine would
-        # restore into a tensor the module no longer uses, or fail inside the step.
-        # FSDP2 swaps sharded and unsharded parameters on the module around forward and backward
-        # by design: its (sharded) parameters are not checked.
-        self._planned = {
-            name: (parameter, parameter.dtype, parameter.device)
-            for name, parameter in engine.plan.parameters.items()
-            if not is_sharded(parameter)
-        }
+        # What each pinned parameter was when the pins were resolved (core/modules.py): a step is
+        # refused if the module holds another object under the name, or the tensor was cast or moved.
+        self._watch = ParameterWatch(module, engine.plan.parameters)
         # Pinned gradients are zeroed all at once at the end of each backward through the module
         # (core/backward_end.py) rather than by a hook per parameter: sharded parameters (FSDP2
         # assigns their gradients itself) keep the hooks. _masked_for: ids of the optimizers
@@ -185,8 +177,6 @@ class PinHandle:
         self._grouped = not any(is_sharded(p) for p in engine.plan.parameters.values())
         self._end_of_backward: Optional[EndOfBackward] = None
         self._masked_for: set[int] = set()
-        # What _module_intact compares, built at its first call.
-        self._intact: tuple[list[tuple[nn.Module, str, nn.Module]], list[tuple[Any, ...]]] | None = None
 
     def _attach(self) -> None:
         engine = self.engine
@@ -220,56 +210,27 @@ class PinHandle:
 
         Host-side only (identity, dtype and device of Python objects): no device sync.
         """
-        if self._module_intact():
+        if self._watch.intact():
             return
-        for name, (planned, dtype, device) in self._planned.items():
-            try:
-                current = self.module.get_parameter(name)
-            except AttributeError:
-                current = None
-            if current is not planned:
-                now = "is gone from the module" if current is None else "is no longer the tensor pin() resolved"
-                raise PinError(
-                    f"{when}: the pinned parameter {name!r} {now} (re-initialised, tied or replaced by a new "
-                    "nn.Parameter after pin()?): the pins hold the old tensor, not the one the module trains. "
-                    "Replace parameters before calling pin(), or call handle.remove() and pin(...) again on the "
-                    "module as it is now"
-                )
-            if planned.dtype != dtype or planned.device != device:
-                raise PinError(
-                    f"{when}: the pinned parameter {name!r} was cast or moved from {dtype} on {device} to "
-                    f"{planned.dtype} on {planned.device} after pin() (model.double(), model.to(...), Fabric's "
-                    "setup with a '-true' precision?); its targets are in the old dtype. Cast or move the module "
-                    "first (Fabric: fabric.setup(...)), then call pin()"
-                )
-
-    def _module_intact(self) -> bool:
-        """The check of :meth:`_check_module` at the cost of two dict lookups per pinned parameter
-        (it runs before every step): every submodule on the way to a pinned parameter is the one
-        seen first, and holds the planned tensor, uncast and unmoved. False sends the caller to
-        the full check, which says what changed."""
-        if self._intact is None:
-            hops: dict[tuple[int, str], tuple[nn.Module, str, nn.Module]] = {}
-            owners = []
-            for name, (planned, dtype, device) in self._planned.items():
-                *path, attr = name.split(".")
-                module = self.module
-                for part in path:
-                    child = module._modules.get(part)
-                    if child is None:
-                        return False
-                    hops[(id(module), part)] = (module, part, child)
-                    module = child
-                owners.append((module._parameters, attr, planned, dtype, device))
-            self._intact = (list(hops.values()), owners)
-        hops_seen, owners = self._intact
-        for module, part, child in hops_seen:
-            if module._modules.get(part) is not child:
-                return False
-        for parameters, attr, planned, dtype, device in owners:
-            if parameters.get(attr) is not planned or planned.dtype != dtype or planned.device != device:
-                return False
-        return True
+        name, change = self._watch.first_change() or ("?", "replaced")
+        if change == "replaced":
+            raise PinError(
+                f"{when}: the pinned parameter {name!r} is no longer the tensor pin() resolved (re-initialised, "
+                "tied or replaced by a new nn.Parameter after pin()?): the pins hold the old tensor, not the one "
+                "the module trains. Replace parameters before calling pin(), or call handle.remove() and "
+                "pin(...) again on the module as it is now"
+            )
+        if change == "gone":
+            raise PinError(
+                f"{when}: the pinned parameter {name!r} is gone from the module (re-initialised, tied or replaced "
+                "after pin()?): the pins hold the old tensor, not the one the module trains. Replace parameters "
+                "before calling pin(), or call handle.remove() and pin(...) again on the module as it is now"
+            )
+        raise PinError(
+            f"{when}: the pinned parameter {name!r} was {change} after pin() (model.double(), model.to(...), "
+            "Fabric's setup with a '-true' precision?); its targets are in the old dtype. Cast or move the module "
+            "first (Fabric: fabric.setup(...)), then call pin()"
+        )
 
     # ------------------------------------------------------------------------------------------
     # The loop
