@@ -216,6 +216,7 @@ class CompiledStep:
         self._mask = torch.compile(_own_code(_mask_dense), fullgraph=True, dynamic=True)
         #: Why the step runs eager after all (a compile error), or None while it runs compiled.
         self.failed: Optional[str] = None
+        self._has_state = False
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -247,8 +248,10 @@ class CompiledStep:
         """Whether the next step may ignore pinned gradients: it runs compiled and every held
         parameter has its optimizer state (the first step creates it from the gradients, which
         must then be masked: the statistics of pinned elements start at zero, as without compile_step)."""
-        state = self.optimizer.state
-        return self.failed is None and all(p in state for p in self.params)
+        if not self._has_state:  # once made, an optimizer's state is only ever replaced, not dropped
+            state = self.optimizer.state
+            self._has_state = all(p in state for p in self.params)
+        return self.failed is None and self._has_state
 
     @torch.no_grad()
     def mask_grad(self, name: str, grad: Tensor) -> bool:
@@ -303,7 +306,7 @@ class CompiledStep:
         self.refresh()
         self._undo_foreign_writes()
         measured = self.engine._wants_stats()
-        if all(p in self.optimizer.state for p in self.params):
+        if self.ready:
             function = self._compiled_measured if measured else self._compiled
         else:
             function = self._first_measured if measured else self._first
