@@ -521,29 +521,34 @@ def depth_rounds(
     layers: int, fraction: float, optimizer: str, rounds: int, steps: int, warmup: int, parameters: int = 4_000_000
 ) -> dict[str, Any]:
     """Plain-loop step times (forward of a batch of 16, backward, step, zero_grad) with ``pin()``
-    on ``fraction`` of every weight and without, interleaved round by round. Returns the median
-    step times, the ratio per round and the microseconds pinning adds per pinned tensor and step."""
+    on ``fraction`` of every weight and without. Both loops live side by side and take turns step
+    by step (the order flips every step), so that the machine's noise, which on a shared host
+    comes in bursts longer than a step, hits both alike. Returns the median step times, the ratio
+    of medians per round and the microseconds pinning adds per pinned tensor and step."""
     from lightning_pin import pin
 
     pinned_ms, unpinned_ms, ratios, cpu_ratios = [], [], [], []
     for _ in range(rounds):
-        medians: dict[bool, tuple[float, float]] = {}
+        loops = {}
         for pinned in (False, True):
             model, names = _deep_stack(layers, parameters)
             opt = DEPTH_OPTIMIZERS[optimizer](model.parameters())
-            x = torch.randn(16, model[0].in_features)
-            gc.collect()
-            wall, cpu = [], []
-            context = pin(model, opt, [Pin(names, fraction=fraction, seed=0)]) if pinned else nullcontext()
-            with context:
-                for _ in range(warmup + steps):
-                    started, started_cpu = time.perf_counter(), time.process_time()
-                    model(x).square().mean().backward()
-                    opt.step()
-                    opt.zero_grad()
+            handle = pin(model, opt, [Pin(names, fraction=fraction, seed=0)]) if pinned else None
+            loops[pinned] = (model, opt, handle, [], [])
+        x = torch.randn(16, loops[False][0][0].in_features)
+        gc.collect()
+        for step in range(warmup + steps):
+            for pinned in ((False, True) if step % 2 else (True, False)):
+                model, opt, _, wall, cpu = loops[pinned]
+                started, started_cpu = time.perf_counter(), time.process_time()
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if step >= warmup:
                     wall.append(time.perf_counter() - started)
                     cpu.append(time.process_time() - started_cpu)
-            medians[pinned] = (statistics.median(wall[warmup:]), statistics.median(cpu[warmup:]))
+        loops[True][2].remove()
+        medians = {k: (statistics.median(v[3]), statistics.median(v[4])) for k, v in loops.items()}
         unpinned_ms.append(medians[False][0] * 1e3)
         pinned_ms.append(medians[True][0] * 1e3)
         ratios.append(medians[True][0] / medians[False][0])
@@ -584,6 +589,42 @@ def depth_rows(
                     + " ".join(f"{r:.3f}" for r in row["rounds"]),
                     flush=True,
                 )
+    torch.set_num_threads(threads)
+    return rows
+
+
+def depth_trainer_rows(depths: tuple[int, ...], fraction: float, rounds: int, steps: int, warmup: int,
+                       parameters: int = 4_000_000) -> dict[str, dict[str, Any]]:
+    """The depth rows through the callback's door: a real ``Trainer.fit`` of ``N`` square Linear
+    layers (AdamW, batch 16, one thread) with ``PinCallback`` on ``fraction`` of every weight and
+    without, fits interleaved round by round (median of per-fit median step times)."""
+    print(f"depth at fixed size, PinCallback in Trainer.fit: {parameters / 1e6:.3g}M parameters as N layers, "
+          f"{fraction:.0%} of every weight; median of {rounds} interleaved fits of {steps} steps")
+    print(f"  {'tensors':>8}{'unpinned ms':>13}{'pinned ms':>11}{'ratio':>8}{'us/tensor':>11}   rounds")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = {}
+    for layers in depths:
+        width = max(2, round((parameters / layers) ** 0.5))
+        data = DataLoader(TensorDataset(torch.randn((steps + warmup) * 16, width)), batch_size=16)
+        pinned_ms, unpinned_ms = [], []
+        for _ in range(rounds):
+            for pinned in (False, True):
+                torch.manual_seed(0)
+                model = MLP(width, layers)
+                pins = [Pin([f"layers.{i}.weight" for i in range(layers)], fraction=fraction, seed=0)]
+                callbacks = [PinCallback(pins, verbose=False, monitor=False)] if pinned else []
+                gc.collect()
+                (pinned_ms if pinned else unpinned_ms).append(timed_fit(model, callbacks, data, warmup) * 1e3)
+        ratios = [p / u for p, u in zip(pinned_ms, unpinned_ms)]
+        row = {
+            "unpinned_ms": statistics.median(unpinned_ms), "pinned_ms": statistics.median(pinned_ms),
+            "ratio": statistics.median(ratios), "rounds": ratios,
+            "us_per_pinned_tensor": statistics.median((p - u) * 1e3 / layers for p, u in zip(pinned_ms, unpinned_ms)),
+        }
+        rows[f"callback {fraction:.0%} x{layers}"] = row
+        print(f"  {layers:>8}{row['unpinned_ms']:>13.1f}{row['pinned_ms']:>11.1f}{row['ratio']:>8.3f}"
+              f"{row['us_per_pinned_tensor']:>11.1f}   " + " ".join(f"{r:.3f}" for r in ratios), flush=True)
     torch.set_num_threads(threads)
     return rows
 
@@ -652,14 +693,26 @@ def main() -> None:
     parser.add_argument("--depths", default="4,64,256,1024", help="tensor counts of the depth rows")
     parser.add_argument("--depth-optimizers", default=",".join(DEPTH_OPTIMIZERS), help="optimizers of the depth rows")
     parser.add_argument("--depth-fractions", default="0.01,0.2", help="fractions of the depth rows")
+    parser.add_argument("--depth-trainer", action="store_true", help="the depth rows through PinCallback in a Trainer")
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     quick, smoke = args.quick or args.smoke, args.smoke
+    if args.depth_trainer:
+        depths = tuple(int(d) for d in args.depths.split(","))
+        rows = {}
+        for f in (float(f) for f in args.depth_fractions.split(",")):
+            rows.update(depth_trainer_rows(depths, f, *((1, 4, 1) if quick else (5, 30, 5)),
+                                           parameters=250_000 if quick else 4_000_000))
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "depth_trainer": rows}, handle,
+                          indent=2)
+        return
     if args.depth:
         depths = tuple(int(d) for d in args.depths.split(","))
         fractions = tuple(float(f) for f in args.depth_fractions.split(","))
         optimizers = tuple(args.depth_optimizers.split(","))
-        rows = depth_rows(depths, fractions, optimizers, *((2, 6, 2) if quick else (5, 15, 3)),
+        rows = depth_rows(depths, fractions, optimizers, *((2, 6, 2) if quick else (5, 30, 5)),
                           parameters=250_000 if quick else 4_000_000)
         if args.json:
             with open(args.json, "w") as handle:

@@ -157,3 +157,30 @@ def test_resume_holds_the_loaded_statistics_and_verify_names_a_missing_buffer():
         without.load_state_dict(resumed.state_dict(), strict=False)
         with pytest.raises(PinError, match="has no buffer 'encoder.1.running_mean'"):
             handle.verify(without)
+
+
+def test_averaged_copies_hold_the_frozen_statistics_too(tmp_path):
+    """EMA averages buffers with the weights (use_buffers=True). A pin that starts at step 2 holds the
+    statistics it found then, but the average has been following the moving ones before: it would
+    only approach the held values, and at the end it is copied into the module. The held values are
+    written into the averaged copy after each of its updates, so both hold them bit for bit."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    torch.manual_seed(0)
+    model = BNNet()
+    captured = {}
+
+    class Capture(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 2 and not captured:
+                captured.update({n: b.clone() for n, b in _buffers(pl_module).items() if n in BN_BUFFERS})
+
+    callback = PinCallback([Pin("encoder.*", start_step=2)], verbose=False, monitor=False)
+    ema = EMAWeightAveraging(decay=0.7, use_buffers=True)
+    t = trainer(max_epochs=2, callbacks=[Capture(), callback, ema], default_root_dir=tmp_path)
+    t.fit(model, make_loader(n=32, batch_size=4))
+    averaged = dict(ema._average_model.module.named_buffers())
+    for name, value in captured.items():
+        assert torch.equal(averaged[name], value), name
+        assert torch.equal(model.get_buffer(name), value), name
+    callback.verify(model)

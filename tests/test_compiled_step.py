@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+import lightning as L
+
 from helpers import TinyNet, make_loader, trainer
 from lightning_pin import Pin, PinCallback, pin
 from lightning_pin.core import compiled_step
@@ -267,3 +269,81 @@ def test_a_fused_optimizer_keeps_its_fused_step_with_one_warning():
         model(torch.randn(4, 6)).square().mean().backward()
         optimizer.step()
         assert "step" not in optimizer.__dict__ and torch.equal(model[2].bias, torch.full((3,), 0.5))
+
+
+def test_without_clipping_the_callback_leaves_gradients_and_the_step_ignores_them(tmp_path):
+    """No clipping: pinned gradients are not zeroed in memory (a pass saved); the compiled step holds
+    the pinned elements and their statistics where they were, whatever their gradients say."""
+    pins = [Pin("encoder.weight", fraction=0.5, seed=1)]
+    seen = {}
+
+    class Look(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 2:  # after PinCallback's own hook (callbacks run in order)
+                target = callback.engine.targets()[0]
+                seen["grads"] = pl_module.encoder.weight.grad.reshape(-1)[target.index.long()].clone()
+
+    torch.manual_seed(0)
+    model = TinyNet(lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1))
+    callback = PinCallback(pins, verbose=False, monitor=False, verify="step", compile_step=True)
+    t = trainer(max_epochs=1, callbacks=[callback, Look()], default_root_dir=tmp_path)
+    t.fit(model, make_loader(n=32, batch_size=4))
+    assert callback.engine.grads_read_before_step is False
+    assert seen["grads"].abs().sum() > 0  # left as backward made them
+    callback.verify(model)
+    state = t.optimizers[0].state[model.encoder.weight]
+    index = callback.engine.targets()[0].index.long()
+    for key in ("exp_avg",):  # zero at the pin's start, never fed the pinned gradients
+        assert torch.equal(state[key].reshape(-1)[index], torch.zeros(index.numel())), key
+
+
+def test_a_write_between_steps_is_undone_by_the_next_step():
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    with pin(model, optimizer, [Pin("0.weight", fraction=0.5, seed=2)], compile_step=True) as handle:
+        for step in range(4):
+            model(torch.randn(4, 6)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1:
+                with torch.no_grad():  # as load_state_dict does: through the parameter
+                    model[0].weight.copy_(torch.full_like(model[0].weight, 7.0))
+            if step == 2:
+                model[0].weight.data = torch.full_like(model[0].weight, -7.0)  # a .data swap
+        handle.verify()
+        assert "0.weight" in optimizer.__dict__["step"].names
+
+
+def test_pin_can_leave_pinned_gradients_to_the_compiled_step():
+    """zero_pinned_grads=False: gradients as backward made them; pinned elements exact, free ones
+    bit-identical to torch.compile(opt.step) on an unpinned copy fed the very same gradients."""
+    model, reference = _model(), _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+    ref_step = torch.compile(ref_optimizer.step)
+    with pin(model, optimizer, [Pin("0.weight", fraction=0.5, seed=2)], compile_step=True,
+             zero_pinned_grads=False) as handle:
+        target = handle.engine.targets()[0]
+        index = target.index.long()
+        with torch.no_grad():
+            reference[0].weight.view(-1)[index] = target.values
+        free = torch.ones(30, dtype=torch.bool)
+        free[index] = False
+        for step in range(4):
+            x = torch.randn(8, 6)
+            for m in (model, reference):
+                m(x).square().mean().backward()
+            if step > 0:  # the first step creates the statistics from masked gradients
+                assert model[0].weight.grad.view(-1)[index].abs().sum() > 0
+                assert torch.equal(model[0].weight.grad, reference[0].weight.grad)
+            else:
+                reference[0].weight.grad.view(-1)[index] = 0.0
+            optimizer.step()
+            ref_step()
+            for m, o in ((model, optimizer), (reference, ref_optimizer)):
+                o.zero_grad()
+            handle.verify()
+            assert torch.equal(model[0].weight.view(-1)[free], reference[0].weight.view(-1)[free]), step
+            assert torch.equal(model[2].weight, reference[2].weight), step
+            with torch.no_grad():
+                reference[0].weight.view(-1)[index] = target.values

@@ -92,6 +92,22 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         handle.verify()
         record["step"] = handle.step
         handle.remove()
+        # The compiled step (compile_step=True) under DDP, pinned gradients left to the step.
+        torch.manual_seed(0)
+        net2 = Net()
+        model2 = DistributedDataParallel(net2)
+        optimizer2 = torch.optim.AdamW(model2.parameters(), lr=0.05, weight_decay=0.1)
+        with pin(model2, optimizer2, [Pin("encoder.weight", fraction=0.5, seed=3)], compile_step=True,
+                 zero_pinned_grads=False) as handle2:
+            record["compiled_init"] = snap(net2)
+            record["compiled_steps"] = []
+            for x, y in rank_batches(rank)[:4]:
+                nn.functional.cross_entropy(model2(x), y).backward()
+                optimizer2.step()
+                optimizer2.zero_grad()
+                record["compiled_steps"].append(snap(net2))
+            handle2.verify()
+            record["compiled_driver"] = type(optimizer2.__dict__["step"]).__name__
         # Ranks that resolve different pins, and a rank that rejects its spec: every rank raises.
         record["refused"] = []
         for pins in (
@@ -171,3 +187,17 @@ def test_every_rank_refuses_pins_that_differ_or_that_one_rank_rejects(ranks):
         assert "the ranks resolved different pins" in message and message.endswith("unchanged=True hooks=0")
     assert "another rank rejected its pins" in rejected[0] and rejected[0].endswith("unchanged=True hooks=0")
     assert "head.bais" in rejected[1] and rejected[1].endswith("unchanged=True hooks=0")
+
+
+def test_the_compiled_step_holds_pins_on_both_ranks_and_keeps_them_identical(ranks):
+    held = fraction_indices("encoder.weight", 128, 0.5, 3)
+    zero, one = ranks
+    for data in ranks:
+        assert data["compiled_driver"] == "CompiledStep"
+        init = data["compiled_init"]["encoder.weight"].reshape(-1)[held]
+        for step, params in enumerate(data["compiled_steps"]):
+            assert torch.equal(params["encoder.weight"].reshape(-1)[held], init), step
+        assert not torch.equal(data["compiled_steps"][-1]["head.weight"], data["compiled_init"]["head.weight"])
+    for a, b in zip(zero["compiled_steps"], one["compiled_steps"]):
+        for name in a:
+            assert torch.equal(a[name], b[name]), name

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import pickle
 
+import lightning as L
 import pytest
 import torch
 from helpers import TinyNet, first_label_is_zero, make_loader, trainer
@@ -280,3 +281,22 @@ def test_fabric_bf16_true_set_up_after_pin_is_refused_before_the_step():
         wrapped_optimizer.step()
     assert _unchanged(model, before)
     handle.remove()
+
+
+class _ReinitAtStep(L.Callback):
+    """A callback that replaces a pinned parameter in the middle of fit."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 2:
+            pl_module.encoder.weight = torch.nn.Parameter(torch.zeros_like(pl_module.encoder.weight))
+
+
+def test_the_callback_refuses_a_parameter_replaced_during_fit(tmp_path):
+    from helpers import TinyNet, make_loader, trainer
+
+    model = TinyNet()
+    callback = PinCallback([Pin("encoder.weight", fraction=0.5, seed=1)], verbose=False, monitor=False)
+    t = trainer(max_steps=5, callbacks=[callback, _ReinitAtStep()], default_root_dir=tmp_path)
+    with pytest.raises(PinError, match="'encoder.weight' is no longer the tensor the pins were resolved on"):
+        t.fit(model, make_loader(n=32, batch_size=4))
+    assert t.global_step == 2  # refused before the third step, which would have trained the new tensor

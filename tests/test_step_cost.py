@@ -6,9 +6,9 @@ A ``TorchDispatchMode`` records every aten op of each step of a plain loop (``pi
 (every pin's start and stop is behind, or the set of active pins occurred before) pinning may add
 only in-place kernels on existing memory and views: no ``_to_copy`` of an integer index (the
 int32 -> int64 widening the index kernels would otherwise need on every call), no op that
-returns fresh memory. And the count of those kernels is fixed per pinned tensor: one ``put_`` on
-its gradient and one ``index_copy_`` of its targets for a value pin on some elements, whatever
-the number of elements.
+returns fresh memory. And the count of those kernels is fixed per pinned tensor: for a value pin
+on some elements, one ``put_`` on its gradient and one ``put_`` of its targets (``index_fill_`` and
+``index_copy_`` on a flat view past ``PUT_LIMIT`` elements), whatever the number of elements.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import trainer
 from lightning_pin import Pin, PinCallback, pin
+from lightning_pin.core import sharding
 
 aten = torch.ops.aten
 
@@ -120,12 +121,26 @@ def test_a_steady_step_adds_one_kernel_per_pinned_tensor_and_no_allocation(optim
         added = _added(plain, pinned, step)
         allocating = {str(f): n for f, n in added.items() if _allocates(f)}
         assert not allocating, f"step {step} allocates: {allocating}"
-        # Per element-pinned weight: one put_ (its gradient), one index_copy_ (its targets).
-        assert added[aten.put_.default] == LAYERS, dict(added)
-        assert added[aten.index_copy_.default] == LAYERS, dict(added)
+        # Per element-pinned weight: one put_ on its gradient, one put_ of its targets.
+        assert added[aten.put_.default] == 2 * LAYERS, dict(added)
+        assert added[aten.index_copy_.default] == 0, dict(added)
         # The whole bias: its gradient is dropped before the step (AdamW, SGD skip it), its
         # values still hold, so it costs nothing more than the zero_ of its gradient.
         assert added[aten.zero_.default] <= 1, dict(added)
+
+
+def test_many_elements_per_tensor_take_the_flat_index_kernels(monkeypatch):
+    """Past PUT_LIMIT elements a tensor is masked with index_fill_ and restored with index_copy_ on
+    a flat view (fewer ns per element than put_): still one kernel each, no allocation."""
+    monkeypatch.setattr(sharding, "PUT_LIMIT", 0)
+    plain, pinned = _plain_loop("adamw-forloop", None), _plain_loop("adamw-forloop", _value_pins())
+    for step in STEADY:
+        assert pinned.conversions[step] == 0
+        added = _added(plain, pinned, step)
+        assert not {str(f): n for f, n in added.items() if _allocates(f)}
+        assert added[aten.index_fill_.int_Scalar] == LAYERS, dict(added)
+        assert added[aten.index_copy_.default] == LAYERS, dict(added)
+        assert added[aten.put_.default] == 0, dict(added)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw-forloop", "sgd_momentum"])
@@ -192,7 +207,7 @@ def test_the_callback_path_adds_no_conversion_and_no_allocation(tmp_path):
         added = _added(plain, pinned, step)
         allocating = {str(f): n for f, n in added.items() if _allocates(f)}
         assert not allocating, f"step {step} allocates: {allocating}"
-        assert added[aten.index_copy_.default] == LAYERS, dict(added)
+        assert added[aten.put_.default] == 2 * LAYERS, dict(added)
 
 
 @pytest.mark.parametrize("change", ["submodule", "parameter", "cast"])

@@ -312,7 +312,9 @@ def test_front_door_adds_no_sync_in_steady_state_steps(optimizer, make_pins, com
             from lightning_pin.core import compiled_step
 
             driver = opt.__dict__["step"]
-            driver._compiled, driver._compiled_measured = compiled_step._fused_step, compiled_step._fused_step_measured
+            driver._compiled = driver._first = compiled_step._held_step
+            driver._compiled_measured = driver._first_measured = compiled_step._held_step_measured
+            driver._mask = compiled_step._mask_dense
         with counter:
             for batch_idx, (x, y) in enumerate(make_loader(n=192, batch_size=4)):
                 counter.batch = batch_idx

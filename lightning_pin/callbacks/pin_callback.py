@@ -27,7 +27,7 @@ from lightning_pin.core.compiled_step import install
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.handle import as_pins
-from lightning_pin.core.modules import unwrap
+from lightning_pin.core.modules import ParameterWatch, unwrap
 from lightning_pin.callbacks.monitor import PinMonitor
 from lightning_pin.core.plan import check_conflicts, check_targets_fit, refuse_sparse_gradients, resolve
 from lightning_pin.core.state import find_pin_states
@@ -140,6 +140,9 @@ class PinCallback(Callback):
         # training entirely for max_steps=0, max_epochs=0, limit_train_batches=0 or an empty
         # loader: then a check must say that the pins were never applied, not just "off target".
         self._applied = False
+        # The parameters the pins were resolved on, watched from train start (after Lightning's
+        # precision plugins cast and the strategy moved the module) before every step.
+        self._watch: Optional[ParameterWatch] = None
         # Under ddp_spawn this object is pickled into the workers and the copy in the main
         # process never runs a hook; rank 0 leaves its state in this file for verify().
         self._handoff = os.path.join(tempfile.gettempdir(), f"lightning_pin-{uuid.uuid4().hex}.pt")
@@ -203,6 +206,10 @@ class PinCallback(Callback):
             if self.buffers:  # before the step check, which checks the buffers too
                 self._handles.append(self.buffers.attach(self.engine))
             if self.compile_step:
+                # Without clipping nothing reads the gradients between backward and the step: the
+                # compiled step ignores pinned gradients, and masking them in memory would cost a
+                # pass over every gradient it holds.
+                self.engine.grads_read_before_step = _clips_gradients(trainer, pl_module)
                 self._handles += install(self.engine, trainer.optimizers, rank_zero_warn)
             if self.verify_at == "step":
                 self._handles.append(self.engine.register_restore_hook(lambda stats: self._check()))
@@ -224,6 +231,7 @@ class PinCallback(Callback):
             self.monitor.before_force(trainer, pl_module)  # the baseline: no pin forced yet
         self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
         self.engine.force()
+        self._watch = ParameterWatch(pl_module, self.engine.plan.parameters)
         # On resume the module's buffers come from the checkpoint: they hold what the saved run held.
         self.buffers.update(self.engine.active, recapture=True)
         self._applied = True
@@ -236,6 +244,8 @@ class PinCallback(Callback):
         """Write the pins into an averaged copy of the weights, right after each of its updates."""
         if self.engine is not None:
             self.engine.write_into(dict(averaged.named_parameters(remove_duplicate=False)))
+            if self.buffers:
+                self.buffers.write_into(averaged)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -296,10 +306,25 @@ class PinCallback(Callback):
     ) -> None:
         if self.engine is None or not self.engine.plan.pins:
             return
+        if self._watch is not None and not self._watch.intact():
+            self._refuse_changed_parameter()
         # Under manual optimization global_step moves inside a batch: re-check the windows.
         self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
         self.buffers.update(self.engine.active)
         self.engine.mask_grads(optimizer)
+
+    def _refuse_changed_parameter(self) -> None:
+        name, change = self._watch.first_change() or ("?", "replaced")
+        what = {
+            "gone": "is gone from the module",
+            "replaced": "is no longer the tensor the pins were resolved on",
+        }.get(change, f"was {change}")
+        raise PinError(
+            f"PinCallback: before the optimizer step, the pinned parameter {name!r} {what} since training started "
+            "(re-initialised, tied, replaced or cast by a callback or a hook during fit?): the pins hold the old "
+            "tensor, not the one the module trains. Build, tie and cast the module before fit (in __init__, "
+            "setup or configure_model)"
+        )
 
     # ------------------------------------------------------------------------------------------
     # Checks
@@ -564,3 +589,9 @@ def _raise_if_any_rank_rejected(trainer: pl.Trainer, pl_module: pl.LightningModu
             raise PinError("another rank rejected its pins (see its error); every rank stops before training")
     if rejected is not None:
         raise rejected
+
+
+def _clips_gradients(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether Lightning reads the gradients between backward and the optimizer step: the Trainer
+    clips (``gradient_clip_val``) or the module overrides ``configure_gradient_clipping``."""
+    return bool(trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", pl_module)

@@ -142,6 +142,19 @@ class BufferHold:
         for name, target in self.targets.items():
             self.module.get_buffer(name).copy_(target)
 
+    @torch.no_grad()
+    def write_into(self, module: nn.Module) -> None:
+        """Write the captured values into the same-named buffers of another copy of the module (an
+        averaged model), so that it holds the frozen modules' statistics too; names it lacks are
+        skipped."""
+        for name, target in self.targets.items():
+            try:
+                buffer = module.get_buffer(name)
+            except AttributeError:
+                continue
+            if buffer is not None and buffer.shape == target.shape:
+                buffer.copy_(target)
+
     def attach(self, engine: Any) -> RemovableHandle:
         """Restore the buffers after every restore of ``engine``; returns the removable handle."""
         return engine.register_restore_hook(lambda stats: self.restore())

@@ -1,27 +1,38 @@
-"""The optimizer's step compiled with the restore of pinned values inside it (``compile_step=True``).
+"""The optimizer's step compiled with the pinning inside it (``compile_step=True``).
 
 :func:`install` replaces ``optimizer.step`` (an instance attribute; the class is untouched) by a
 :class:`CompiledStep`: it runs the optimizer's step pre-hooks, the closure, then one
 ``torch.compile``-d function that calls torch's own step (the undecorated ``step`` of the
-optimizer's class: no optimizer written twice) and restores every pinned element with a
-branch-free bit-select on integer views of the same bytes::
+optimizer's class: no optimizer written twice) and *holds* every pinned element, and every
+per-element optimizer statistic of it, where it was before the step::
 
-    bits = (bits & keep) | (target_bits & ~keep)      # keep: all ones where free, 0 where pinned
+    param = where(keep != 0, param_after_step, param_before_step)     # keep: 1 free, 0 pinned
+    exp_avg = where(keep != 0, exp_avg_after_step, exp_avg_before)   # ... each statistic alike
 
-then the step post-hooks (the engine's, which here only forces stuck bits and bounds, parks
-statistics and calls its observers). Free elements get exactly the bits of the compiled step
-without pins; pinned ones exactly their targets. The gradients of pinned elements are zeroed the
-same way, one dense ``grad_bits &= keep`` pass (:meth:`CompiledStep.mask_grad`) where the engine
-would write zeros at scattered indices, when backward accumulates them (``pin()``) or before
-clipping (``PinCallback``): clipping still sees them zero.
+Inductor fuses the select into the update's own kernel and never materialises the "before"
+copies: one pass over each tensor, reading a 2-byte mask more than the unpinned step. Pinned
+elements keep their targets (they held them when the step started: pins write their targets when
+they activate, and :meth:`CompiledStep._undo_foreign_writes` writes them again into a parameter
+that anything else wrote since the last step, seen by its version counter and storage; an
+in-place write through ``.data`` is not seen). Their gradients never reach the update or the
+statistics, so the step may ignore them: the separate pass that zeroes pinned gradients in memory
+is needed only where something reads the gradients between backward and the step. ``pin()``
+keeps its promise that they are zero when ``backward()`` returns (one dense compiled pass,
+:meth:`CompiledStep.mask_grad`); ``PinCallback`` skips it when the Trainer does not clip
+(``engine.grads_read_before_step``). Free elements get exactly the bits of the compiled step
+without pins. The first step, which creates the optimizer's statistics from the gradients, always
+runs with them masked, so pinned statistics start at zero as without ``compile_step``.
 
-The ``keep`` masks and the targets are dense integer tensors, one pair per pinned parameter the
-optimizer updates, passed to the compiled function as *data*: when pins start, stop or a ``when``
+What differs from the eager engine: there, a ``when`` pin's elements see zero gradients on their
+pinned steps, so their momentum decays; here it is held unchanged until the pin lets go.
+
+The masks are passed to the compiled function as *data*: when pins start, stop or a ``when``
 toggles, :meth:`CompiledStep.refresh` rewrites them in place (index ops, no sync) and nothing
-recompiles. Memory: two tensors of the parameter's size per pinned parameter, i.e.
-``2 * itemsize / f`` bytes per pinned element at a pinned fraction ``f`` of its tensor (8 bytes
-at 100%, 10 at 80%, 16 at 50%, 40 at 20%, 800 at 1% for float32), on top of the engine's own
-index and targets.
+recompiles. Memory: one bfloat16 mask of each held parameter's size, ``2 / f`` bytes per pinned
+element at a pinned fraction ``f`` of its tensor (2.5 bytes at 80%, 4 at 50%, 10 at 20%, 40 at 5%);
+below :data:`DENSE_FROM` the engine's index mask and restore serve the tensor and it costs nothing.
+Four graphs at most per optimizer (the first step and the rest, each with and without the step
+statistics an observer logs), compiled once each.
 
 Where the step cannot be compiled (an optimizer that is not one of torch's own, sharded
 parameters, no C++ compiler for a CPU parameter, a compile error) the optimizer keeps its eager
@@ -43,7 +54,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from lightning_pin.core.sharding import copy_at, fill_at, is_sharded
+from lightning_pin.core.sharding import fill_at, is_sharded
 from lightning_pin.core.state import BITS_DTYPES
 
 __all__ = ["CompiledStep", "install", "why_not_compiled"]
@@ -92,47 +103,69 @@ def why_not_compiled(optimizer: Optimizer, parameters: Sequence[Tensor]) -> Opti
     return None
 
 
-def _fused_step(step: Callable[[Optimizer], Any], optimizer: Optimizer, params: list[Tensor],
-                keeps: list[Tensor], targets: list[Tensor]) -> None:
-    """torch's step, then the bit-select restore of every pinned element: one compiled graph."""
+def _statistics(optimizer: Optimizer, param: Tensor) -> list[Tensor]:
+    """Every per-element optimizer statistic of ``param`` (momentum, moments, step sizes), read at
+    trace time: holding them all is stepping as if the pinned elements were not there."""
+    state = optimizer.state.get(param, {})
+    return [v for v in state.values() if isinstance(v, Tensor) and v.shape == param.shape]
+
+
+def _held_step(step: Callable[[Optimizer], Any], optimizer: Optimizer, params: list[Tensor],
+               keeps: list[Tensor]) -> None:
+    """torch's step, then every pinned element of ``params`` and of their statistics back to what it
+    held before the step: one compiled graph, one pass per tensor (the copies before the step are
+    never materialised: inductor reads the inputs once and selects in the update's own kernel)."""
+    held = []
+    for param, keep in zip(params, keeps):
+        tensors = [param, *_statistics(optimizer, param)]
+        held.append((keep, tensors, [t.clone() for t in tensors]))
     step(optimizer)
-    with torch.no_grad():
-        for param, keep, target in zip(params, keeps, targets):
-            bits = param.view(keep.dtype)
-            bits.copy_((bits & keep) | (target & ~keep))
+    for keep, tensors, before in held:
+        free = keep != 0
+        for tensor, old in zip(tensors, before):
+            tensor.copy_(torch.where(free, tensor, old))
 
 
-def _fused_step_measured(step: Callable[[Optimizer], Any], optimizer: Optimizer, params: list[Tensor],
-                         keeps: list[Tensor], targets: list[Tensor]) -> list[Tensor]:
-    """:func:`_fused_step` that also returns ``|value - target|`` of the pinned elements before the
-    restore (0 elsewhere), flat, for the engine's step statistics on the steps an observer logs."""
+def _held_step_measured(step: Callable[[Optimizer], Any], optimizer: Optimizer, params: list[Tensor],
+                        keeps: list[Tensor]) -> list[Tensor]:
+    """:func:`_held_step` that also returns ``|value - target|`` of the pinned elements after the
+    update, before the hold (0 elsewhere), flat, for the engine's statistics on the steps it logs."""
+    held = []
+    for param, keep in zip(params, keeps):
+        tensors = [param, *_statistics(optimizer, param)]
+        held.append((keep, tensors, [t.clone() for t in tensors]))
     step(optimizer)
     moved = []
-    with torch.no_grad():
-        for param, keep, target in zip(params, keeps, targets):
-            bits = param.view(keep.dtype)
-            deviation = (param.detach() - target.view(param.dtype)).abs().reshape(-1)
-            if deviation.dtype not in (torch.float32, torch.float64):
-                deviation = deviation.float()
-            moved.append(torch.where(keep.reshape(-1) == 0, deviation, torch.zeros_like(deviation)))
-            bits.copy_((bits & keep) | (target & ~keep))
+    for keep, tensors, before in held:
+        free = keep != 0
+        deviation = (tensors[0] - before[0]).abs().reshape(-1)
+        if deviation.dtype not in (torch.float32, torch.float64):
+            deviation = deviation.float()
+        moved.append(torch.where(free.reshape(-1), torch.zeros_like(deviation), deviation))
+        for tensor, old in zip(tensors, before):
+            tensor.copy_(torch.where(free, tensor, old))
     return moved
 
 
-#: The pinned fraction of a tensor (all its pins together) from which the compiled step restores and
-#: masks it densely; below it the engine's index ops do (measured in benchmarks/compiled_step.py:
-#: at 1% the dense passes cost more than the scattered writes they replace).
-DENSE_FROM = 0.25
+def _mask_dense(grad: Tensor, keep: Tensor) -> None:
+    """Zero ``grad`` where ``keep`` is 0, in one pass (a NaN or inf gradient becomes 0 too)."""
+    grad.copy_(torch.where(keep != 0, grad, 0.0))
+
+
+#: The pinned fraction of a tensor (all its pins together) from which the compiled step holds it
+#: with a dense mask; below it the engine's index ops do (benchmarks/compiled_step.py: at 1% the
+#: scattered writes touch few cache lines, from a few percent on they touch most of them).
+DENSE_FROM = 0.05
 
 
 def _pinned_fractions(plan: Any) -> dict[str, float]:
-    """Per parameter, the fraction of its elements some pin selects (overlaps counted twice)."""
+    """Per parameter, the fraction of its elements some element pin selects (overlaps counted
+    twice). Whole-tensor pins do not count: their gradients are dropped, the step skips them."""
     counts: dict[str, int] = {}
     for rp in plan.pins:
         for name, selection in rp.selections.items():
-            if selection.kind == "value":
-                size = selection.parameter.numel() if selection.index is None else selection.index.numel()
-                counts[name] = counts.get(name, 0) + size
+            if selection.kind == "value" and selection.index is not None:
+                counts[name] = counts.get(name, 0) + selection.index.numel()
     return {name: min(1.0, n / max(plan.parameters[name].numel(), 1)) for name, n in counts.items()}
 
 
@@ -156,66 +189,91 @@ class CompiledStep:
         self._eager = type(optimizer).step.__wrapped__  # the fallback: eager, without the hook runner
         names = sorted(engine._names_of(optimizer))
         pinned = _pinned_fractions(engine.plan)
-        # Dense select where many elements are pinned; where few are, the engine's index mask and
-        # restore touch only those (they stay eager, after the compiled step) and need no dense copy.
+        # Held in the compiled kernel where many elements are pinned; where few are, the engine's
+        # index mask and restore touch only those (eager, after the compiled step) and need no mask.
         self.names = [
             n for n in names if engine.plan.parameters[n].requires_grad and pinned.get(n, 0.0) >= DENSE_FROM
         ]
         self.params = [engine.plan.parameters[n] for n in self.names]
         self._names = frozenset(self.names)
         self._index = {name: i for i, name in enumerate(self.names)}
-        #: Per parameter: all ones where free, 0 where pinned (the gradient mask and the restore's select).
-        self.keeps = [torch.full_like(p, -1, dtype=BITS_DTYPES[p.dtype]) for p in self.params]
-        self.targets = [torch.zeros_like(k) for k in self.keeps]
-        self._for: Optional[list[Any]] = None  # the engine's target list the buffers hold
-        self._compiled = torch.compile(_own_code(_fused_step), fullgraph=True, dynamic=False)
-        self._compiled_measured = torch.compile(_own_code(_fused_step_measured), fullgraph=True, dynamic=False)
+        #: Per parameter: 1 where free, 0 where pinned, in bfloat16 (2 bytes an element: inductor
+        #: loads it vectorised, where a bool or int8 mask made the kernel 2-3x slower here).
+        self.keeps = [torch.ones_like(p, dtype=torch.bfloat16) for p in self.params]
+        self._for: Optional[frozenset[int]] = None  # the active pins the masks hold
+        # (version, data_ptr) of each parameter right after the last compiled step: anything else
+        # that writes it in between (load_state_dict, a copy_, a .data swap) is undone before the
+        # next step, which holds pinned elements at what they hold when it starts.
+        self._seen: list[Optional[tuple[int, int]]] = [None] * len(self.params)
+        # One code object (so one graph) per variant. Dynamo creates the optimizer's state while it
+        # traces the first step and does not guard on it, so the graph of the first step (which
+        # finds no statistics to hold: they are made from masked gradients) is never reused for
+        # the steps after it, which hold them.
+        self._compiled, self._compiled_measured, self._first, self._first_measured = (
+            torch.compile(_own_code(function), fullgraph=True, dynamic=False)
+            for function in (_held_step, _held_step_measured, _held_step, _held_step_measured)
+        )
+        self._mask = torch.compile(_own_code(_mask_dense), fullgraph=True, dynamic=True)
         #: Why the step runs eager after all (a compile error), or None while it runs compiled.
         self.failed: Optional[str] = None
+        self._has_state = False
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Write the masks and targets of the engine's active pins (only when they changed: a new
-        target list means pins started or stopped, or a ``when`` pin captured new values)."""
-        current = self.engine.targets()
-        if current is self._for:
+        """Write the masks of the engine's active pins (only when the set of active pins changed)."""
+        active = self.engine.active
+        if active == self._for:
             return
-        self._for = current
-        at = {name: i for i, name in enumerate(self.names)}
+        self._for = active
+        at = self._index
         for keep in self.keeps:
-            keep.fill_(-1)
-        for target in current:
+            keep.fill_(1)
+        for target in self.engine.targets():
             i = at.get(target.name)
             if i is None:
                 continue
-            keep, held = self.keeps[i], self.targets[i]
-            values = target.values.to(device=keep.device, dtype=self.params[i].dtype).view(keep.dtype)
+            keep = self.keeps[i]
             view, positions, _ = target.part(keep)
             if positions is None:
                 keep.zero_()
-                held.copy_(values)
             else:
-                held_view, _, _ = target.part(held)
                 fill_at(view, positions, 0)
-                copy_at(held_view, positions, values.reshape(-1))
 
     #: An LR scheduler wraps ``optimizer.step`` on the instance to notice steps (``_opt_called``);
     #: this step sets that flag itself, and the marker keeps a later scheduler from wrapping it.
     _wrapped_by_lr_sched = True
 
+    @property
+    def ready(self) -> bool:
+        """Whether the next step may ignore pinned gradients: it runs compiled and every held
+        parameter has its optimizer state (the first step creates it from the gradients, which
+        must then be masked: the statistics of pinned elements start at zero, as without compile_step)."""
+        if not self._has_state:  # once made, an optimizer's state is only ever replaced, not dropped
+            state = self.optimizer.state
+            self._has_state = all(p in state for p in self.params)
+        return self.failed is None and self._has_state
+
     @torch.no_grad()
     def mask_grad(self, name: str, grad: Tensor) -> bool:
-        """Zero the pinned elements of ``grad`` (of parameter ``name``) with one dense ``bits &= keep``
-        pass (no scattered index writes; a NaN or inf gradient becomes +0.0 too); False when the
-        gradient's layout differs from the parameter's and the engine's index mask must do it."""
+        """Zero the pinned elements of ``grad`` (of parameter ``name``) with one dense pass (a NaN or
+        inf gradient becomes 0 too), or nothing when no one reads the gradients before the step
+        (``engine.grads_read_before_step`` is False) and the compiled step holds the tensor: it
+        ignores pinned gradients. False when the engine's index mask must do it."""
         i = self._index.get(name)
         if i is None:
             return False
         keep = self.keeps[i]
-        if grad.dtype != self.params[i].dtype or grad.stride() != keep.stride() or is_sharded(grad):
+        if grad.dtype != self.params[i].dtype or grad.shape != keep.shape or is_sharded(grad):
             return False
+        if not self.engine.grads_read_before_step and self.ready:
+            return True
         self.refresh()
-        grad.view(keep.dtype).bitwise_and_(keep)
+        try:
+            self._mask(grad, keep)
+        except Exception as err:
+            if not _is_compile_error(err):
+                raise
+            _mask_dense(grad, keep)
         return True
 
     def __call__(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -237,7 +295,7 @@ class CompiledStep:
             if self.failed is None:
                 self._run()
             else:
-                self._eager(optimizer)
+                self._eager(optimizer)  # the engine's post-step hook restores, as without compile_step
             optimizer._optimizer_step_code()
             for post_hook in (*optimizer._optimizer_step_post_hooks.values(),
                               *_global_optimizer_post_hooks.values()):
@@ -246,11 +304,15 @@ class CompiledStep:
 
     def _run(self) -> None:
         self.refresh()
+        self._undo_foreign_writes()
         measured = self.engine._wants_stats()
-        function = self._compiled_measured if measured else self._compiled
+        if self.ready:
+            function = self._compiled_measured if measured else self._compiled
+        else:
+            function = self._first_measured if measured else self._first
         try:
             with torch.no_grad():
-                moved = function(self._step, self.optimizer, self.params, self.keeps, self.targets)
+                moved = function(self._step, self.optimizer, self.params, self.keeps)
         except Exception as err:  # the first call compiles: nothing ran (fullgraph) if it failed
             if not _is_compile_error(err) or isinstance(err, torch._dynamo.exc.RecompileError):
                 raise  # a recompile refused by config.error_on_recompile is the caller's to see
@@ -261,9 +323,21 @@ class CompiledStep:
                 UserWarning,
                 stacklevel=4,
             )
+            self.engine.mask_grads(self.optimizer)  # the compiled step did not ignore them: mask now
             self._eager(self.optimizer)
             return
+        self._seen = [(p._version, p.data_ptr()) for p in self.params]
         self.engine._fused[id(self.optimizer)] = (self._names, moved if measured else None)
+
+    @torch.no_grad()
+    def _undo_foreign_writes(self) -> None:
+        """Write the targets of every held parameter something else wrote since the last step."""
+        stale = {
+            name for name, p, seen in zip(self.names, self.params, self._seen)
+            if seen is None or seen != (p._version, p.data_ptr())
+        }
+        if stale:
+            self.engine._write([t for t in self.engine.targets() if t.name in stale])
 
 
 def _float_lr(optimizer: Optimizer) -> bool:
@@ -294,6 +368,7 @@ class _Installed:
         for name in self.step.names:
             if self.step.engine._dense_grad_masks.get(name) is self.step:
                 del self.step.engine._dense_grad_masks[name]
+                self.step.engine._grad_masks = None
 
 
 def install(engine: Any, optimizers: Sequence[Optimizer], warn: Callable[[str], Any]) -> list[_Installed]:
@@ -321,5 +396,6 @@ def install(engine: Any, optimizers: Sequence[Optimizer], warn: Callable[[str], 
         optimizer.__dict__["step"] = step
         for name in step.names:
             engine._dense_grad_masks[name] = step
+            engine._grad_masks = None
         handles.append(_Installed(optimizer, step, replaced))
     return handles

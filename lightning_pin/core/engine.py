@@ -14,6 +14,7 @@ register with :meth:`PinEngine.register_restore_hook` and get a removable handle
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import PinPlan, Selection, call_when
 from lightning_pin.core.layouts import _Layout
-from lightning_pin.core.parking import PARKED_VALUE, StatisticsParking
+from lightning_pin.core.parking import OPTIMIZER_STATE_KEYS, PARKED_VALUE, StatisticsParking
 from lightning_pin.core.projections import ExactValue, Interval, Projection, StuckBits, merge_faults
 from lightning_pin.core.sharding import (
     LocalPart,
@@ -47,20 +48,6 @@ __all__ = [
     "copy_at", "fill_at", "flat_view", "is_sharded", "local_part", "local_tensor",
 ]
 
-
-#: Per-element optimizer statistics that push an element, zeroed when a step-window pin activates.
-#: Step sizes (Rprop ``step_size``) and weight averages (ASGD ``ax``) are left alone.
-OPTIMIZER_STATE_KEYS = (
-    "momentum_buffer",
-    "exp_avg",
-    "exp_avg_sq",
-    "max_exp_avg_sq",
-    "square_avg",
-    "grad_avg",
-    "acc_delta",
-    "sum",
-    "prev",
-)
 
 # Optimizers that leave a parameter whose grad is None completely alone (no update, no weight
 # decay, no state change). Exact types only: a subclass may override step(). For these, a
@@ -164,7 +151,9 @@ class PinEngine:
         # through .data do not count): another write since (model.load_state_dict, a user's
         # copy_) moves the counter, and the restore must not take the tensor as untouched.
         self._written_version: dict[str, int] = {}
-        self._by_name: dict[frozenset[int], dict[str, Target]] = {}
+        # Gradient masks of the active pins by parameter name (see _build_grad_masks); None: stale.
+        self._grad_masks: Optional[dict[str, Callable[[Tensor], None]]] = None
+        self._grad_mask_pairs: list[tuple[Tensor, Callable[[Tensor], None]]] = []
         # What restore() does for each optimizer (by id; None: all) under the current targets.
         self._step_cache: dict[int, tuple[Any, ...]] = {}
         self._faults: dict[frozenset[int], list[Projection]] = {}
@@ -175,7 +164,13 @@ class PinEngine:
         # Optimizers whose compiled step (core/compiled_step.py) restored values itself, by id:
         # (names it restored, |value - target| before its restore when stats were wanted, else None).
         self._fused: dict[int, tuple[frozenset[str], Optional[list[Tensor]]]] = {}
-        # Compiled steps that mask gradients with a dense bit-and, by parameter name (mask_grad).
+        #: Whether anything reads the gradients between backward and the step (gradient clipping):
+        #: pinned gradients must then be zero in memory before it. When False, tensors that a
+        #: compiled step holds (compile_step=True) are not masked in memory: the step ignores their
+        #: pinned gradients. pin() keeps True (its gradients are zero when backward returns);
+        #: PinCallback sets False when the Trainer does not clip.
+        self.grads_read_before_step = True
+        # Compiled steps that mask gradients densely, by parameter name (mask_grad).
         self._dense_grad_masks: dict[str, Any] = {}
 
     @property
@@ -239,6 +234,8 @@ class PinEngine:
         new = frozenset(pin_ids)
         started = sorted(new - self.active)
         stopped = self.active - new
+        if new != self.active:
+            self._grad_masks = None
         self.active = new
         if started:
             self._activate(started)
@@ -272,9 +269,9 @@ class PinEngine:
         return self.plan.pins[pin_id].pin.kind == "value"
 
     def _forget(self, pin_id: int) -> None:
-        for cache in (self._targets, self._by_name):
-            for key in [k for k in cache if pin_id in k]:
-                del cache[key]
+        for key in [k for k in self._targets if pin_id in k]:
+            del self._targets[key]
+        self._grad_masks = None
 
     # ----------------------------------------------------------------------------------------
     # Targets
@@ -405,23 +402,45 @@ class PinEngine:
 
     def _grad_hook(self, name: str) -> Callable[[Tensor], None]:
         def hook(parameter: Tensor) -> None:
-            # Runs once per pinned parameter and backward: one dict lookup and one kernel.
-            target = self._targets_by_name().get(name)
+            # Runs once per pinned parameter and backward, hundreds of times a step in a deep
+            # model: a dict lookup and one kernel (see _grad_masks).
+            masks = self._grad_masks if self._grad_masks is not None else self._build_grad_masks()
+            mask = masks.get(name)
             grad = parameter.grad
-            if target is not None and grad is not None:
+            if mask is not None and grad is not None:
                 if torch.is_grad_enabled():  # backward with create_graph=True
                     with torch.no_grad():
-                        self._zero_grad(target, grad)
+                        mask(grad)
                 else:
-                    self._zero_grad(target, grad)
+                    mask(grad)
 
         return hook
 
-    def _targets_by_name(self) -> dict[str, Target]:
-        by_name = self._by_name.get(self.active)
-        if by_name is None:
-            by_name = self._by_name[self.active] = {t.name: t for t in self.targets()}
-        return by_name
+    def _build_grad_masks(self) -> dict[str, Callable[[Tensor], None]]:
+        """Per pinned parameter, what zeroes its active pinned gradients: kept until the active
+        pins, their targets or a compiled step's dense masks change (``_grad_masks = None``)."""
+        masks: dict[str, Callable[[Tensor], None]] = {}
+        for target in self.targets():
+            if self._dense_grad_masks:
+                masks[target.name] = functools.partial(self._zero_grad, target)
+            else:
+                masks[target.name] = target.mask_grad
+        self._grad_masks = masks
+        self._grad_mask_pairs = [(self.plan.parameters[name], mask) for name, mask in masks.items()]
+        return masks
+
+    @torch.no_grad()
+    def mask_all_grads(self) -> None:
+        """Zero the active pinned gradients of every pinned parameter, in one call: what the hooks
+        of :meth:`register_grad_hooks` do one parameter at a time, for drivers that know when a
+        whole backward has finished (:func:`~lightning_pin.pin` on a deep model). Wholly pinned
+        tensors get a zero gradient, as from the hooks."""
+        if self._grad_masks is None:
+            self._build_grad_masks()
+        for parameter, mask in self._grad_mask_pairs:
+            grad = parameter.grad
+            if grad is not None:
+                mask(grad)
 
     @torch.no_grad()
     def drop_whole_grads(self, optimizer: Optimizer | None = None) -> None:
@@ -464,10 +483,11 @@ class PinEngine:
         pinned gradients stay out of momentum, adaptive statistics and the clip norm.
         """
         self.drop_whole_grads(optimizer)
+        masks = self._grad_masks if self._grad_masks is not None else self._build_grad_masks()
         for target in self._owned(optimizer):
             grad = target.parameter.grad
             if grad is not None:
-                self._zero_grad(target, grad)
+                masks[target.name](grad)
 
     def _zero_grad(self, target: Target, grad: Tensor) -> None:
         # A compiled step (compile_step=True) may mask this tensor with a dense mask of its own.
@@ -742,6 +762,7 @@ class PinEngine:
                 self.captured[pin_id] = captured
                 self._forget(pin_id)
         self.active = frozenset(saved.active & usable)
+        self._grad_masks = None
         last = saved.last_step_active
         self.last_step_active = None if last is None else frozenset(last & usable)
         return saved

@@ -3,9 +3,12 @@
 Same engine and guarantee as :class:`~lightning_pin.PinCallback`, driven by torch's own hooks
 instead of Lightning's:
 
-- gradient hooks (``register_post_accumulate_grad_hook``) zero pinned gradients as backward
-  accumulates them, so they are zero when ``loss.backward()`` returns: clipping, a ``GradScaler``
-  and the optimizer never see them, on every micro-batch of an accumulation window;
+- one callback at the end of each backward through the module's forward
+  (:mod:`~lightning_pin.core.backward_end`) zeroes every pinned gradient once backward has
+  accumulated them, so they are zero when ``loss.backward()`` returns: clipping, a
+  ``GradScaler`` and the optimizer never see them, on every micro-batch of an accumulation
+  window. One call per backward rather than a Python hook per parameter (sharded parameters,
+  and any run where a backward bypasses the module's output, use a hook per parameter);
 - a step pre-hook drops the gradients of wholly pinned tensors (the optimizer then skips them,
   weight decay and state included) and checks that ``when`` pins were decided for this batch;
 - a step post-hook writes every pinned value back right after each real step (a step the scaler
@@ -30,11 +33,12 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_pin.core.backward_end import EndOfBackward
 from lightning_pin.core.buffers import BufferHold
 from lightning_pin.core.compiled_step import install
 from lightning_pin.core.engine import PinEngine, is_sharded
 from lightning_pin.core.errors import PinError
-from lightning_pin.core.modules import unwrap
+from lightning_pin.core.modules import ParameterWatch, unwrap
 from lightning_pin.core.plan import PinPlan, check_conflicts, refuse_sparse_gradients, resolve
 from lightning_pin.core.spec import Pin
 
@@ -163,23 +167,24 @@ class PinHandle:
         #: Buffers of the modules the pins freeze (BatchNorm running statistics), held with them.
         self.buffers = BufferHold(engine.plan, module)
         self._compile_step = compile_step
-        # What each pinned parameter was when the pins were resolved: the object itself and its
-        # dtype and device. A step is refused if the module holds another object under the name
-        # (re-initialised, tied, replaced) or the tensor was cast or moved: the engine would
-        # restore into a tensor the module no longer uses, or fail inside the step.
-        # FSDP2 swaps sharded and unsharded parameters on the module around forward and backward
-        # by design: its (sharded) parameters are not checked.
-        self._planned = {
-            name: (parameter, parameter.dtype, parameter.device)
-            for name, parameter in engine.plan.parameters.items()
-            if not is_sharded(parameter)
-        }
-        # What _module_intact compares, built at its first call.
-        self._intact: tuple[list[tuple[nn.Module, str, nn.Module]], list[tuple[Any, ...]]] | None = None
+        # What each pinned parameter was when the pins were resolved (core/modules.py): a step is
+        # refused if the module holds another object under the name, or the tensor was cast or moved.
+        self._watch = ParameterWatch(module, engine.plan.parameters)
+        # Pinned gradients are zeroed all at once at the end of each backward through the module
+        # (core/backward_end.py) rather than by a hook per parameter: sharded parameters (FSDP2
+        # assigns their gradients itself) keep the hooks. _masked_for: ids of the optimizers
+        # whose parameters were masked since their last step.
+        self._grouped = not any(is_sharded(p) for p in engine.plan.parameters.values())
+        self._end_of_backward: Optional[EndOfBackward] = None
+        self._masked_for: set[int] = set()
 
     def _attach(self) -> None:
         engine = self.engine
-        self._handles += engine.register_grad_hooks()
+        if self._grouped:
+            self._end_of_backward = EndOfBackward(self.module, self._after_backward)
+            self._handles.append(self._end_of_backward)
+        else:
+            self._handles += engine.register_grad_hooks()
         for optimizer in self.optimizers:
             self._handles.append(optimizer.register_step_pre_hook(self._before_step))
         self._handles += engine.attach(self.optimizers)  # restores after each step
@@ -205,56 +210,27 @@ class PinHandle:
 
         Host-side only (identity, dtype and device of Python objects): no device sync.
         """
-        if self._module_intact():
+        if self._watch.intact():
             return
-        for name, (planned, dtype, device) in self._planned.items():
-            try:
-                current = self.module.get_parameter(name)
-            except AttributeError:
-                current = None
-            if current is not planned:
-                now = "is gone from the module" if current is None else "is no longer the tensor pin() resolved"
-                raise PinError(
-                    f"{when}: the pinned parameter {name!r} {now} (re-initialised, tied or replaced by a new "
-                    "nn.Parameter after pin()?): the pins hold the old tensor, not the one the module trains. "
-                    "Replace parameters before calling pin(), or call handle.remove() and pin(...) again on the "
-                    "module as it is now"
-                )
-            if planned.dtype != dtype or planned.device != device:
-                raise PinError(
-                    f"{when}: the pinned parameter {name!r} was cast or moved from {dtype} on {device} to "
-                    f"{planned.dtype} on {planned.device} after pin() (model.double(), model.to(...), Fabric's "
-                    "setup with a '-true' precision?); its targets are in the old dtype. Cast or move the module "
-                    "first (Fabric: fabric.setup(...)), then call pin()"
-                )
-
-    def _module_intact(self) -> bool:
-        """The check of :meth:`_check_module` at the cost of two dict lookups per pinned parameter
-        (it runs before every step): every submodule on the way to a pinned parameter is the one
-        seen first, and holds the planned tensor, uncast and unmoved. False sends the caller to
-        the full check, which says what changed."""
-        if self._intact is None:
-            hops: dict[tuple[int, str], tuple[nn.Module, str, nn.Module]] = {}
-            owners = []
-            for name, (planned, dtype, device) in self._planned.items():
-                *path, attr = name.split(".")
-                module = self.module
-                for part in path:
-                    child = module._modules.get(part)
-                    if child is None:
-                        return False
-                    hops[(id(module), part)] = (module, part, child)
-                    module = child
-                owners.append((module._parameters, attr, planned, dtype, device))
-            self._intact = (list(hops.values()), owners)
-        hops_seen, owners = self._intact
-        for module, part, child in hops_seen:
-            if module._modules.get(part) is not child:
-                return False
-        for parameters, attr, planned, dtype, device in owners:
-            if parameters.get(attr) is not planned or planned.dtype != dtype or planned.device != device:
-                return False
-        return True
+        name, change = self._watch.first_change() or ("?", "replaced")
+        if change == "replaced":
+            raise PinError(
+                f"{when}: the pinned parameter {name!r} is no longer the tensor pin() resolved (re-initialised, "
+                "tied or replaced by a new nn.Parameter after pin()?): the pins hold the old tensor, not the one "
+                "the module trains. Replace parameters before calling pin(), or call handle.remove() and "
+                "pin(...) again on the module as it is now"
+            )
+        if change == "gone":
+            raise PinError(
+                f"{when}: the pinned parameter {name!r} is gone from the module (re-initialised, tied or replaced "
+                "after pin()?): the pins hold the old tensor, not the one the module trains. Replace parameters "
+                "before calling pin(), or call handle.remove() and pin(...) again on the module as it is now"
+            )
+        raise PinError(
+            f"{when}: the pinned parameter {name!r} was {change} after pin() (model.double(), model.to(...), "
+            "Fabric's setup with a '-true' precision?); its targets are in the old dtype. Cast or move the module "
+            "first (Fabric: fabric.setup(...)), then call pin()"
+        )
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -281,8 +257,43 @@ class PinHandle:
         self.engine.set_active(self.engine.ids_at(self.step, self._hits))
         self.buffers.update(self.engine.active)
 
+    def _after_backward(self) -> None:
+        self.engine.mask_all_grads()
+        self._masked_for = {id(o) for o in self.optimizers}
+
+    def _check_masked(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """Before a step, in grouped mode: the gradients it reads were masked at the end of a backward.
+
+        If not (the loss came from a submodule called directly, not from the module's output),
+        mask them now, so the step is exact, and zero pinned gradients from now on with a hook per
+        parameter as backward accumulates them. A step given a closure runs its backward inside."""
+        # torch passes the optimizer itself as args[0]; a closure comes after it or by keyword.
+        if id(optimizer) in self._masked_for or len(args) > 1 or kwargs.get("closure") is not None:
+            return
+        held = self.engine._names_of(optimizer)
+        if all(p.grad is None for n, p in self.engine.plan.parameters.items() if n in held):
+            return
+        warnings.warn(
+            f"pin(): the gradients of the pinned parameters reached {type(optimizer).__name__}.step() without a "
+            f"backward through {type(self.module).__name__}'s forward output (is the loss computed from a submodule "
+            "called directly?). They are zeroed now, before the step, and from now on as backward accumulates "
+            "them (a hook per parameter); anything that read them since backward (gradient clipping) saw them "
+            "unmasked this once.",
+            UserWarning,
+            stacklevel=4,
+        )
+        self.engine.mask_all_grads()
+        if self._end_of_backward is not None:
+            self._end_of_backward.remove()
+            self._handles.remove(self._end_of_backward)
+            self._end_of_backward = None
+        self._handles += self.engine.register_grad_hooks()
+        self._grouped = False
+
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._check_module("before optimizer.step()")
+        if self._grouped:
+            self._check_masked(optimizer, args, kwargs)
         if self._has_when and id(optimizer) not in self._decided:
             raise PinError(
                 "a pin has `when`, but handle.batch_start(batch, batch_idx) was not called since this "
@@ -297,6 +308,7 @@ class PinHandle:
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._decided.discard(id(optimizer))
+        self._masked_for.discard(id(optimizer))
         if optimizer is not self.optimizers[0]:
             return
         self.step += 1
@@ -392,7 +404,7 @@ class PinHandle:
 
 
 def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pins: PinsLike, *, strict: bool = True,
-        compile_step: bool = False) -> PinHandle:
+        compile_step: bool = False, zero_pinned_grads: bool = True) -> PinHandle:
     """Pin ``pins`` on ``module`` for a plain PyTorch loop (or Fabric, or any trainer); return the handle.
 
     Resolves every pin on ``module`` (a plain ``nn.Module``, a ``torch.compile`` wrapper or a
@@ -406,9 +418,14 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         optimizers: Its optimizer, or a list of them; ``handle.step`` counts the first one's steps.
         pins: :class:`Pin`\\ s, or mappings with the same keys.
         strict: Refuse saved pin state that does not match in :meth:`PinHandle.load_state_dict`.
-        compile_step: Run each optimizer's step through ``torch.compile`` with the restore of pinned
-            values fused into it (:mod:`lightning_pin.core.compiled_step`); where it cannot be
-            compiled the step stays eager, with one warning saying why.
+        compile_step: Run each optimizer's step through ``torch.compile`` with the pinning fused
+            into it (:mod:`lightning_pin.core.compiled_step`); where it cannot be compiled the step
+            stays eager, with one warning saying why.
+        zero_pinned_grads: With ``compile_step``, False leaves the gradients of the tensors the
+            compiled step holds as backward made them (the step ignores pinned ones), saving a pass
+            over those gradients per backward. Only when nothing reads the gradients between
+            ``backward()`` and ``step()``: gradient clipping and ``GradScaler.unscale_`` would see
+            the pinned ones. Without ``compile_step`` it changes nothing.
 
     Under torch.distributed, call it on every rank with the same pins: the ranks compare what
     they resolved once (one small all-reduce), and all of them raise if one rejects its pins.
@@ -463,6 +480,7 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     if rejected is not None:
         raise rejected
     handle = PinHandle(target, optimizer_list, engine, strict=strict, compile_step=compile_step)
+    engine.grads_read_before_step = bool(zero_pinned_grads)
     try:
         # Capture and force the pins of step 0 before attaching to the optimizers, so that their
         # statistics are zeroed at the first step, not now (see PinHandle._pending_reset).
