@@ -42,9 +42,10 @@ def test_no_hook_per_parameter_and_pinned_grads_zero_when_backward_returns():
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     with pin(model, optimizer, _pins()) as handle:
-        assert _hooks(model) == 0
+        assert _hooks(model) == LAYERS + 1  # until a backward through the module's output is seen
         for _ in range(3):
             model(torch.randn(4, 8)).square().mean().backward()
+            assert _hooks(model) == 0
             grads = _pinned_grads(handle)
             assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
             # ... and the free ones were not touched: some are non-zero.
@@ -61,11 +62,9 @@ def test_grouped_and_per_parameter_masking_train_bit_identically():
         model = _model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
         handle = pin(model, optimizer, _pins())
-        if not grouped:
+        if not grouped:  # keep the hooks per parameter it starts with
             handle._end_of_backward.remove()
             handle._handles.remove(handle._end_of_backward)
-            handle._handles += handle.engine.register_grad_hooks()
-            handle._grouped = False
         torch.manual_seed(1)
         for step in range(6):
             for _ in range(2):  # accumulation
@@ -74,6 +73,7 @@ def test_grouped_and_per_parameter_masking_train_bit_identically():
             optimizer.step()
             optimizer.zero_grad()
         handle.verify()
+        assert _hooks(model) == (0 if grouped else LAYERS + 1)
         handle.remove()
         return [p.detach().clone() for p in model.parameters()]
 
@@ -81,25 +81,44 @@ def test_grouped_and_per_parameter_masking_train_bit_identically():
         assert torch.equal(a, b)
 
 
-def test_a_backward_that_bypasses_the_module_falls_back_to_hooks_per_parameter():
+def _through_the_layers(model: nn.Sequential) -> torch.Tensor:
+    """The loss from the layers called one by one: the module's own forward never runs."""
+    x = torch.randn(4, 8)
+    for layer in model:
+        x = layer(x)
+    return x.square().mean()
+
+
+def test_a_loop_that_calls_submodules_keeps_the_hooks_per_parameter_silently():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pin(model, optimizer, _pins()) as handle, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            _through_the_layers(model).backward()
+            assert all(torch.equal(g, torch.zeros_like(g)) for g in _pinned_grads(handle))
+            optimizer.step()
+            optimizer.zero_grad()
+        handle.verify()
+        assert _hooks(model) == LAYERS + 1 and not handle._grouped
+
+
+def test_a_backward_that_bypasses_the_module_later_falls_back_to_hooks_per_parameter():
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     handle = pin(model, optimizer, _pins())
     before = [t.values.clone() for t in handle.engine.targets()]
-    # The loss from the layers called one by one: the module's own forward never runs.
-    x = torch.randn(4, 8)
-    for layer in model:
-        x = layer(x)
-    x.square().mean().backward()
+    model(torch.randn(4, 8)).square().mean().backward()  # through the module: one call per backward from now on
+    optimizer.step()
+    optimizer.zero_grad()
+    assert handle._grouped and _hooks(model) == 0
+    _through_the_layers(model).backward()
     with pytest.warns(UserWarning, match="without a backward through Sequential's forward output"):
         optimizer.step()
     handle.verify()
     assert _hooks(model) == LAYERS + 1  # one per pinned parameter: every weight and bias 0
     optimizer.zero_grad()
-    x = torch.randn(4, 8)
-    for layer in model:
-        x = layer(x)
-    x.square().mean().backward()
+    _through_the_layers(model).backward()
     assert all(torch.equal(g, torch.zeros_like(g)) for g in _pinned_grads(handle))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -133,6 +152,9 @@ def test_create_graph_and_several_forwards_per_backward():
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     calls = []
     with pin(model, optimizer, _pins()) as handle:
+        model(torch.randn(4, 8)).square().mean().backward()  # the first backward through the module
+        optimizer.step()
+        optimizer.zero_grad()
         original = handle.engine.mask_all_grads
         handle.engine.mask_all_grads = lambda: (calls.append(1), original())[1]
         loss = model(torch.randn(4, 8)).square().mean() + model(torch.randn(4, 8)).abs().mean()

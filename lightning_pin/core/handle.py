@@ -3,12 +3,13 @@
 Same engine and guarantee as :class:`~lightning_pin.PinCallback`, driven by torch's own hooks
 instead of Lightning's:
 
-- one callback at the end of each backward through the module's forward
-  (:mod:`~lightning_pin.core.backward_end`) zeroes every pinned gradient once backward has
-  accumulated them, so they are zero when ``loss.backward()`` returns: clipping, a
-  ``GradScaler`` and the optimizer never see them, on every micro-batch of an accumulation
-  window. One call per backward rather than a Python hook per parameter (sharded parameters,
-  and any run where a backward bypasses the module's output, use a hook per parameter);
+- pinned gradients are zeroed as backward accumulates them, so they are zero when
+  ``loss.backward()`` returns: clipping, a ``GradScaler`` and the optimizer never see them, on
+  every micro-batch of an accumulation window. First by a hook per parameter; once a backward is
+  seen to run through the module's own forward output, by one callback at the end of each
+  backward (:mod:`~lightning_pin.core.backward_end`), one Python call instead of one per
+  parameter. Loops whose loss comes from submodules called directly, and sharded parameters,
+  keep the hooks;
 - a step pre-hook drops the gradients of wholly pinned tensors (the optimizer then skips them,
   weight decay and state included) and checks that ``when`` pins were decided for this batch;
 - a step post-hook writes every pinned value back right after each real step (a step the scaler
@@ -170,21 +171,25 @@ class PinHandle:
         # What each pinned parameter was when the pins were resolved (core/modules.py): a step is
         # refused if the module holds another object under the name, or the tensor was cast or moved.
         self._watch = ParameterWatch(module, engine.plan.parameters)
-        # Pinned gradients are zeroed all at once at the end of each backward through the module
-        # (core/backward_end.py) rather than by a hook per parameter: sharded parameters (FSDP2
-        # assigns their gradients itself) keep the hooks. _masked_for: ids of the optimizers
-        # whose parameters were masked since their last step.
-        self._grouped = not any(is_sharded(p) for p in engine.plan.parameters.values())
+        # Pinned gradients are zeroed by a hook per parameter as backward accumulates them until a
+        # backward is seen to run through the module's own forward output; from then on all at
+        # once at the end of each backward (core/backward_end.py), one call instead of one per
+        # parameter. A loop whose loss comes from submodules called directly (a multi-head model)
+        # keeps the hooks. Sharded parameters (FSDP2 assigns their gradients itself) always do.
+        # _masked_for: ids of the optimizers whose parameters were masked since their last step.
+        self._grouped = False
+        self._may_group = not any(is_sharded(p) for p in engine.plan.parameters.values())
         self._end_of_backward: Optional[EndOfBackward] = None
+        self._grad_hooks: list[RemovableHandle] = []
         self._masked_for: set[int] = set()
 
     def _attach(self) -> None:
         engine = self.engine
-        if self._grouped:
+        self._grad_hooks = engine.register_grad_hooks()
+        self._handles += self._grad_hooks
+        if self._may_group:
             self._end_of_backward = EndOfBackward(self.module, self._after_backward)
             self._handles.append(self._end_of_backward)
-        else:
-            self._handles += engine.register_grad_hooks()
         for optimizer in self.optimizers:
             self._handles.append(optimizer.register_step_pre_hook(self._before_step))
         self._handles += engine.attach(self.optimizers)  # restores after each step
@@ -258,7 +263,14 @@ class PinHandle:
         self.buffers.update(self.engine.active)
 
     def _after_backward(self) -> None:
-        self.engine.mask_all_grads()
+        if self._grouped:
+            self.engine.mask_all_grads()
+        else:  # the hooks per parameter masked this backward; the next ones are masked here
+            for hook in self._grad_hooks:
+                hook.remove()
+                self._handles.remove(hook)
+            self._grad_hooks = []
+            self._grouped = True
         self._masked_for = {id(o) for o in self.optimizers}
 
     def _check_masked(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
@@ -275,10 +287,10 @@ class PinHandle:
             return
         warnings.warn(
             f"pin(): the gradients of the pinned parameters reached {type(optimizer).__name__}.step() without a "
-            f"backward through {type(self.module).__name__}'s forward output (is the loss computed from a submodule "
-            "called directly?). They are zeroed now, before the step, and from now on as backward accumulates "
-            "them (a hook per parameter); anything that read them since backward (gradient clipping) saw them "
-            "unmasked this once.",
+            f"backward through {type(self.module).__name__}'s forward output, after earlier backwards went through "
+            "it (is the loss sometimes computed from a submodule called directly?). They are zeroed now, before "
+            "the step, and from now on as backward accumulates them (a hook per parameter); anything that read "
+            "them since backward (gradient clipping) saw them unmasked this once.",
             UserWarning,
             stacklevel=4,
         )
@@ -287,7 +299,8 @@ class PinHandle:
             self._end_of_backward.remove()
             self._handles.remove(self._end_of_backward)
             self._end_of_backward = None
-        self._handles += self.engine.register_grad_hooks()
+        self._grad_hooks = self.engine.register_grad_hooks()
+        self._handles += self._grad_hooks
         self._grouped = False
 
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
