@@ -147,6 +147,7 @@ def test_a_step_with_a_closure_runs_its_backward_inside():
         assert _hooks(model) == 0
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # torch's own, expected here
 def test_create_graph_and_several_forwards_per_backward():
     model = _model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
