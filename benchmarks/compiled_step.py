@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 import types
 from typing import Any, Callable, Optional
@@ -202,7 +204,14 @@ def trainer_rows(width: int, layers: int, fractions: list[float], optimizers: li
     return rows
 
 
+# As in bench.py: keep freed memory in the process, so that temporaries are not faulted in again on
+# every step (a page-fault noise that differs from case to case).
+_STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
+
+
 def main() -> None:
+    if any(os.environ.get(k) != v for k, v in _STEADY_MALLOC.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_STEADY_MALLOC})
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
