@@ -1,0 +1,57 @@
+"""One depth row split into phases: forward, backward, step and zero_grad, pinned and unpinned.
+
+    python benchmarks/depth_phases.py 256 0.01 forloop     # tensors, fraction, forloop|foreach|sgd
+
+Two loops over the same 4M parameters as N square Linear layers live side by side and take turns
+step by step (the order flips every step) for 200 steps; the medians of each phase and of the
+whole step are printed, with the ratio and the microseconds pinning adds per pinned tensor.
+"""
+import gc
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+from lightning_pin import Pin, pin
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    layers = int(sys.argv[1]) if len(sys.argv) > 1 else 256
+    frac = float(sys.argv[2]) if len(sys.argv) > 2 else 0.01
+    opt_kind = sys.argv[3] if len(sys.argv) > 3 else "forloop"
+    steps = 200
+    width = round((4_000_000 / layers) ** 0.5)
+    def make():
+        torch.manual_seed(0)
+        m = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+        if opt_kind == "forloop":
+            o = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
+        elif opt_kind == "foreach":
+            o = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
+        else:
+            o = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+        return m, o
+    mu, ou = make(); mp, op = make()
+    h = pin(mp, op, [Pin([f"{i}.weight" for i in range(layers)], fraction=frac, seed=0)])
+    x = torch.randn(16, width)
+    res = {False: {"fwd": [], "bwd": [], "step": [], "zero": []}, True: {"fwd": [], "bwd": [], "step": [], "zero": []}}
+    for s in range(steps):
+        for pinned, (m, o) in ((False, (mu, ou)), (True, (mp, op))) if s % 2 else ((True, (mp, op)), (False, (mu, ou))):
+            t0 = time.perf_counter(); loss = m(x).square().mean(); t1 = time.perf_counter()
+            loss.backward(); t2 = time.perf_counter()
+            o.step(); t3 = time.perf_counter(); o.zero_grad(); t4 = time.perf_counter()
+            if s >= 10:
+                r = res[pinned]; r["fwd"].append(t1-t0); r["bwd"].append(t2-t1); r["step"].append(t3-t2); r["zero"].append(t4-t3)
+    tot = {}
+    for pinned in (False, True):
+        r = res[pinned]
+        tot[pinned] = statistics.median([a+b+c+d for a,b,c,d in zip(r["fwd"], r["bwd"], r["step"], r["zero"])])
+        print("pinned" if pinned else "unpinned", " ".join(f"{k} {statistics.median(v)*1e3:.2f}" for k, v in r.items()), f"total {tot[pinned]*1e3:.2f}")
+    print(f"layers {layers} frac {frac} {opt_kind}: ratio {tot[True]/tot[False]:.3f}  us/tensor {(tot[True]-tot[False])*1e6/layers:.1f}")
+    h.verify()
+
+
+if __name__ == "__main__":
+    main()
