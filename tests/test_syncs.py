@@ -281,6 +281,22 @@ def test_toggling_when_pin_merges_recaptured_targets_without_a_sync():
     assert counter.counts[0]["aten.unique_consecutive.default"] == 1
 
 
+def _steady_batches_add_no_sync(
+    plain: SyncCounter, pinned: SyncCounter, active: dict[int, tuple[frozenset[int], frozenset[int]]]
+) -> int:
+    """Assert that every batch of a ``pin()`` loop whose active pins at its start and end were both
+    seen before adds no sync over the plain loop; return how many batches were compared."""
+    seen: set[frozenset[int]] = set()
+    counted = 0
+    for batch, (at_start, at_end) in active.items():
+        if at_start in seen and at_end in seen:
+            added = pinned.counts[batch] - plain.counts[batch]
+            assert not added, f"batch {batch} (active pins {sorted(at_start)}) adds syncs: {dict(added)}"
+            counted += 1
+        seen.update((at_start, at_end))
+    return counted
+
+
 @pytest.mark.parametrize(
     ("optimizer", "make_pins", "compile_step"),
     [
@@ -335,15 +351,7 @@ def test_front_door_adds_no_sync_in_steady_state_steps(optimizer, make_pins, com
 
     plain, _ = run(False)
     pinned, active = run(True)
-    seen: set[frozenset[int]] = set()
-    counted = 0
-    for batch, (at_start, at_end) in active.items():
-        if at_start in seen and at_end in seen:
-            added = pinned.counts[batch] - plain.counts[batch]
-            assert not added, f"batch {batch} (active pins {sorted(at_start)}) adds syncs: {dict(added)}"
-            counted += 1
-        seen.update((at_start, at_end))
-    assert counted >= 30, counted
+    assert _steady_batches_add_no_sync(plain, pinned, active) >= 30
 
 
 class _BNNet(torch.nn.Module):
@@ -387,15 +395,7 @@ def test_held_buffers_and_parameter_checks_add_no_sync():
 
     plain, _ = run(False)
     pinned, active = run(True)
-    seen: set[frozenset[int]] = set()
-    counted = 0
-    for batch, (at_start, at_end) in active.items():
-        if at_start in seen and at_end in seen:
-            added = pinned.counts[batch] - plain.counts[batch]
-            assert not added, f"batch {batch} (active pins {sorted(at_start)}) adds syncs: {dict(added)}"
-            counted += 1
-        seen.update((at_start, at_end))
-    assert counted >= 10, counted
+    assert _steady_batches_add_no_sync(plain, pinned, active) >= 10
 
 
 def test_distillation_adds_no_sync_in_steady_state_steps(tmp_path):
