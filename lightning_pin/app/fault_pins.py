@@ -24,9 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
-from lightning_pin.core.plan import fraction_indices, resolve
+from lightning_pin.core.plan import resolve
 from lightning_pin.core.spec import Pin
-from lightning_pin.app.pins import UniformValues
+from lightning_pin.app.pins import random_fault_map
 
 KINDS = ("value", "cell", "bit")
 #: Offsets the value draw's seed from the cell draw's, so which cells fail and what they hold are independent.
@@ -71,15 +71,7 @@ def value_fault_map(
         >>> int((~a[w].isnan()).sum()), torch.equal(a[w].nan_to_num(9.0), b[w].nan_to_num(9.0))  # 10% of 144
         (14, True)
     """
-    values = UniformValues(low, high, seed + VALUE_SEED_OFFSET)
-    faults = {}
-    for name, selection in resolve([Pin(params)], module).pins[0].selections.items():
-        parameter = selection.parameter.detach()
-        stuck = torch.full(parameter.shape, float("nan"), dtype=parameter.dtype)
-        cells = fraction_indices(name, parameter.numel(), rate, seed)
-        stuck.view(-1)[cells] = values(name, parameter).view(-1)[cells]
-        faults[name] = stuck
-    return faults
+    return random_fault_map(module, params, rate, low, high, seed, value_seed=seed + VALUE_SEED_OFFSET)
 
 
 def draw_faults(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -137,8 +137,11 @@ def random_fault_map(
     low: float = -1.0,
     high: float = 1.0,
     seed: int = 0,
+    value_seed: Optional[int] = None,
 ) -> dict[str, Tensor]:
     """A fault map for ``module``: ``fraction`` of the cells of the matched parameters stuck in ``[low, high)``.
+
+    ``seed`` chooses the cells; ``value_seed`` (default: ``seed``) draws their stuck values.
 
     Save it with ``torch.save(fault_map, "faults.pt")`` and run ``pin=fault_map pin.fault_map=faults.pt``.
 
@@ -154,7 +157,7 @@ def random_fault_map(
         PinError: ``params`` matches no parameter of ``module``, or ``fraction`` is not in (0, 1].
     """
     selections = resolve([Pin(params)], module).pins[0].selections
-    values = UniformValues(low, high, seed)
+    values = UniformValues(low, high, seed if value_seed is None else value_seed)
     faults = {}
     for name, selection in selections.items():
         parameter = selection.parameter.detach()
