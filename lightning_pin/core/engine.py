@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import PinPlan, Selection, call_when
 from lightning_pin.core.layouts import _Layout
-from lightning_pin.core.parking import OPTIMIZER_STATE_KEYS, PARKED_VALUE, StatisticsParking
+from lightning_pin.core.parking import PARKED_VALUE, StatisticsParking
 from lightning_pin.core.projections import ExactValue, Interval, Projection, StuckBits, merge_faults
 from lightning_pin.core.sharding import (
     LocalPart,
@@ -48,6 +48,20 @@ __all__ = [
     "copy_at", "fill_at", "flat_view", "is_sharded", "local_part", "local_tensor",
 ]
 
+
+#: Per-element optimizer statistics that push an element, zeroed when a step-window pin activates.
+#: Step sizes (Rprop ``step_size``) and weight averages (ASGD ``ax``) are left alone.
+OPTIMIZER_STATE_KEYS = (
+    "momentum_buffer",
+    "exp_avg",
+    "exp_avg_sq",
+    "max_exp_avg_sq",
+    "square_avg",
+    "grad_avg",
+    "acc_delta",
+    "sum",
+    "prev",
+)
 
 # Optimizers that leave a parameter whose grad is None completely alone (no update, no weight
 # decay, no state change). Exact types only: a subclass may override step(). For these, a

@@ -20,20 +20,6 @@ from torch.optim import Optimizer
 from lightning_pin.core.plan import PinPlan
 from lightning_pin.core.sharding import Target, fill_at, is_sharded
 
-#: Per-element optimizer statistics that push an element, zeroed when a step-window pin activates.
-#: Step sizes (Rprop ``step_size``) and weight averages (ASGD ``ax``) are left alone.
-OPTIMIZER_STATE_KEYS = (
-    "momentum_buffer",
-    "exp_avg",
-    "exp_avg_sq",
-    "max_exp_avg_sq",
-    "square_avg",
-    "grad_avg",
-    "acc_delta",
-    "sum",
-    "prev",
-)
-
 
 #: The value at which the engine keeps the second-moment statistics of pinned elements between
 #: their pin's start and stop (see :meth:`PinEngine.park_statistics`): a normal float, whose square
