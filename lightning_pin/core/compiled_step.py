@@ -110,40 +110,46 @@ def _statistics(optimizer: Optimizer, param: Tensor) -> list[Tensor]:
     return [v for v in state.values() if isinstance(v, Tensor) and v.shape == param.shape]
 
 
+def _before_step(optimizer: Optimizer, params: list[Tensor], keeps: list[Tensor]) -> list[tuple[Tensor, ...]]:
+    """Per held parameter: its mask, the parameter and its statistics, and their values now."""
+    held = []
+    for param, keep in zip(params, keeps):
+        tensors = [param, *_statistics(optimizer, param)]
+        held.append((keep, tensors, [t.clone() for t in tensors]))
+    return held
+
+
+def _hold(held: list[tuple[Tensor, ...]]) -> None:
+    """Put every pinned element of each held tensor back to its value of :func:`_before_step`."""
+    for keep, tensors, before in held:
+        free = keep != 0
+        for tensor, old in zip(tensors, before):
+            tensor.copy_(torch.where(free, tensor, old))
+
+
 def _held_step(step: Callable[[Optimizer], Any], optimizer: Optimizer, params: list[Tensor],
                keeps: list[Tensor]) -> None:
     """torch's step, then every pinned element of ``params`` and of their statistics back to what it
     held before the step: one compiled graph, one pass per tensor (the copies before the step are
     never materialised: inductor reads the inputs once and selects in the update's own kernel)."""
-    held = []
-    for param, keep in zip(params, keeps):
-        tensors = [param, *_statistics(optimizer, param)]
-        held.append((keep, tensors, [t.clone() for t in tensors]))
+    held = _before_step(optimizer, params, keeps)
     step(optimizer)
-    for keep, tensors, before in held:
-        free = keep != 0
-        for tensor, old in zip(tensors, before):
-            tensor.copy_(torch.where(free, tensor, old))
+    _hold(held)
 
 
 def _held_step_measured(step: Callable[[Optimizer], Any], optimizer: Optimizer, params: list[Tensor],
                         keeps: list[Tensor]) -> list[Tensor]:
     """:func:`_held_step` that also returns ``|value - target|`` of the pinned elements after the
     update, before the hold (0 elsewhere), flat, for the engine's statistics on the steps it logs."""
-    held = []
-    for param, keep in zip(params, keeps):
-        tensors = [param, *_statistics(optimizer, param)]
-        held.append((keep, tensors, [t.clone() for t in tensors]))
+    held = _before_step(optimizer, params, keeps)
     step(optimizer)
     moved = []
     for keep, tensors, before in held:
-        free = keep != 0
         deviation = (tensors[0] - before[0]).abs().reshape(-1)
         if deviation.dtype not in (torch.float32, torch.float64):
             deviation = deviation.float()
-        moved.append(torch.where(free.reshape(-1), torch.zeros_like(deviation), deviation))
-        for tensor, old in zip(tensors, before):
-            tensor.copy_(torch.where(free, tensor, old))
+        moved.append(torch.where(keep.reshape(-1) != 0, torch.zeros_like(deviation), deviation))
+    _hold(held)
     return moved
 
 
