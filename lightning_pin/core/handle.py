@@ -218,18 +218,13 @@ class PinHandle:
         if self._watch.intact():
             return
         name, change = self._watch.first_change() or ("?", "replaced")
-        if change == "replaced":
+        if change in ("gone", "replaced"):
+            now = "is gone from the module" if change == "gone" else "is no longer the tensor pin() resolved"
             raise PinError(
-                f"{when}: the pinned parameter {name!r} is no longer the tensor pin() resolved (re-initialised, "
-                "tied or replaced by a new nn.Parameter after pin()?): the pins hold the old tensor, not the one "
-                "the module trains. Replace parameters before calling pin(), or call handle.remove() and "
-                "pin(...) again on the module as it is now"
-            )
-        if change == "gone":
-            raise PinError(
-                f"{when}: the pinned parameter {name!r} is gone from the module (re-initialised, tied or replaced "
-                "after pin()?): the pins hold the old tensor, not the one the module trains. Replace parameters "
-                "before calling pin(), or call handle.remove() and pin(...) again on the module as it is now"
+                f"{when}: the pinned parameter {name!r} {now} (re-initialised, tied or replaced by a new "
+                "nn.Parameter after pin()?): the pins hold the old tensor, not the one the module trains. Replace "
+                "parameters before calling pin(), or call handle.remove() and pin(...) again on the module as it "
+                "is now"
             )
         raise PinError(
             f"{when}: the pinned parameter {name!r} was {change} after pin() (model.double(), model.to(...), "
