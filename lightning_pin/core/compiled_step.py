@@ -41,6 +41,7 @@ step and the engine restores after it as without ``compile_step``: one warning s
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import shutil
@@ -224,13 +225,17 @@ class CompiledStep:
         self.failed: Optional[str] = None
         self._has_state = False
 
-    @torch.no_grad()
     def refresh(self) -> None:
         """Write the masks of the engine's active pins (only when the set of active pins changed)."""
         active = self.engine.active
-        if active == self._for:
+        if active == self._for:  # every step but the few where pins start or stop: no work at all
             return
         self._for = active
+        with torch.no_grad():
+            self._write_masks()
+
+    def _write_masks(self) -> None:
+        """1 where free, 0 where an active pin holds the element, in every mask."""
         at = self._index
         for keep in self.keeps:
             keep.fill_(1)
@@ -259,7 +264,6 @@ class CompiledStep:
             self._has_state = all(p in state for p in self.params)
         return self.failed is None and self._has_state
 
-    @torch.no_grad()
     def mask_grad(self, name: str, grad: Tensor) -> bool:
         """Zero the pinned elements of ``grad`` (of parameter ``name``) with one dense pass (a NaN or
         inf gradient becomes 0 too), or nothing when no one reads the gradients before the step
@@ -268,18 +272,19 @@ class CompiledStep:
         i = self._index.get(name)
         if i is None:
             return False
+        if not self.engine.grads_read_before_step and self.ready:
+            return True  # the step holds the whole tensor, whatever its gradient holds
         keep = self.keeps[i]
         if grad.dtype != self.params[i].dtype or grad.shape != keep.shape or is_sharded(grad):
             return False
-        if not self.engine.grads_read_before_step and self.ready:
-            return True
         self.refresh()
-        try:
-            self._mask(grad, keep)
-        except Exception as err:
-            if not _is_compile_error(err):
-                raise
-            _mask_dense(grad, keep)
+        with torch.no_grad():
+            try:
+                self._mask(grad, keep)
+            except Exception as err:
+                if not _is_compile_error(err):
+                    raise
+                _mask_dense(grad, keep)
         return True
 
     def __call__(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -287,7 +292,11 @@ class CompiledStep:
         optimizer._opt_called = True  # what an LR scheduler's wrapper of step() records
         args: tuple[Any, ...] = (optimizer,)
         kwargs: dict[str, Any] = {} if closure is None else {"closure": closure}
-        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
+        # torch's own step names itself to the profiler; entering that context costs ~10 us a step,
+        # so only while a profiler listens.
+        profiling = torch._C._autograd._profiler_enabled()
+        with (torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step")
+              if profiling else contextlib.nullcontext()):
             for pre_hook in (*_global_optimizer_pre_hooks.values(),
                              *optimizer._optimizer_step_pre_hooks.values()):
                 result = pre_hook(optimizer, args, kwargs)
@@ -335,7 +344,6 @@ class CompiledStep:
         self._seen = [(p._version, p.data_ptr()) for p in self.params]
         self.engine._fused[id(self.optimizer)] = (self._names, moved if measured else None)
 
-    @torch.no_grad()
     def _undo_foreign_writes(self) -> None:
         """Write the targets of every held parameter something else wrote since the last step."""
         stale = {
@@ -343,7 +351,8 @@ class CompiledStep:
             if seen is None or seen != (p._version, p.data_ptr())
         }
         if stale:
-            self.engine._write([t for t in self.engine.targets() if t.name in stale])
+            with torch.no_grad():
+                self.engine._write([t for t in self.engine.targets() if t.name in stale])
 
 
 def _float_lr(optimizer: Optimizer) -> bool:

@@ -158,6 +158,8 @@ class PinEngine:
         #: False keeps them at zero as engines before parking did.
         self.park = True
         self._parking = StatisticsParking()
+        # (the active set, its step-window value pins), worked out when the active set changes
+        self._park_key: tuple[Optional[frozenset[int]], frozenset[int]] = (None, frozenset())
         self._optimizer_names: dict[int, tuple[tuple[int, ...], frozenset[str]]] = {}
         self._optimizers: list[Optimizer] = []
         self._dropped: set[str] = set()
@@ -636,8 +638,11 @@ class PinEngine:
         """
         if not self.park:
             return
-        key = frozenset(i for i in self.active if self.plan.pins[i].when is None and self._is_value_pin(i))
-        self._parking.park(optimizer, self.plan, key, self.whole_grads)
+        active = self.active
+        if self._park_key[0] is not active:  # the active set is a new frozenset when it changes
+            key = frozenset(i for i in active if self.plan.pins[i].when is None and self._is_value_pin(i))
+            self._park_key = (active, key)
+        self._parking.park(optimizer, self.plan, self._park_key[1], self.whole_grads)
 
     def _unpark(self, optimizer: Optimizer) -> None:
         self._parking.unpark(optimizer)
