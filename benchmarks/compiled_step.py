@@ -9,7 +9,9 @@ is out of the timing; what pinning adds to backward is the gradient mask, timed 
 the pinned step), for each optimizer and pinned fraction (random elements of every weight):
 
 - ``eager``: torch's step, unpinned (foreach, torch's default);
-- ``compiled``: ``torch.compile(optimizer.step)``, unpinned;
+- ``compiled``: torch's step compiled (``torch.compile`` of the optimizer class's undecorated step
+  under ``no_grad``: the graph ``torch.compile(optimizer.step)`` makes, without the graph breaks of
+  its grad-mode wrapper), unpinned;
 - ``pinned eager``: ``pin()`` as without compile_step (index mask, eager step, index restore);
 - ``pinned compiled``: ``pin(..., compile_step=True)``: the pinned gradients zeroed in memory
   (``pin()`` keeps them zero when backward returns), then torch's step compiled with the pinned
@@ -18,14 +20,18 @@ the pinned step), for each optimizer and pinned fraction (random elements of eve
   step (``pin(..., compile_step=True, zero_pinned_grads=False)``, or ``PinCallback(compile_step=True)``
   in a Trainer that does not clip): no pass over the gradients at all, the step ignores pinned ones.
 
-Rounds interleave every case, so machine noise hits all alike; medians of the per-round medians
-are reported, with the compile time (the first call) and the memory the pins hold per pinned
-element (the engine's index and targets, and the compiled step's dense mask and targets).
+Each pinned step is timed beside torch's unpinned steps *on the same memory* (parameters, gradients
+and statistics aliased, see :func:`references`), taking turns step by step: separate models with
+identical work differed by up to 15% here, by where the allocator put them. Rounds interleave
+the cases; medians of the per-round medians are reported, ratios are medians of per-round ratios,
+with the compile time (the first two calls) and the memory the pins hold per pinned element (the
+engine's index and targets, and the compiled step's dense mask).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -54,17 +60,62 @@ def model(width: int, layers: int) -> nn.Module:
     return net
 
 
+def _own_code(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` with a code object of its own: dynamo caches graphs per code object, and after
+    8 optimizers on one it would run them eager."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__, function.__defaults__,
+                              function.__closure__)
+
+
+def references(net: nn.Module, optimizer: torch.optim.Optimizer,
+               make: Callable[..., torch.optim.Optimizer]) -> dict[str, Callable[[], None]]:
+    """torch's own steps, eager and compiled, unpinned, on the *same memory* as ``optimizer``'s:
+    parameters, gradients and statistics are aliases (``.data``: the same storage, version counters
+    of their own, so the pinned step does not take their writes for foreign ones). Separate models
+    differed by up to 15% here with identical work (where the allocator put them), which is more
+    than the differences measured; one memory for both sides takes that out."""
+    params = list(net.parameters())
+    aliases = [nn.Parameter(p.data) for p in params]
+    for alias, p in zip(aliases, params):
+        alias.grad = p.grad.data
+    steps = {}
+    for kind in ("eager", "compiled"):
+        reference = make(aliases)
+        raw = inspect.unwrap(type(reference).step)
+        with torch.no_grad():
+            raw(reference)  # make its statistics, then point them at the pinned optimizer's
+        for alias, p in zip(aliases, params):
+            for key, value in optimizer.state[p].items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    reference.state[alias][key] = value.data
+        if kind == "eager":
+            steps[kind] = reference.step  # torch's hooked step, foreach: what users run
+        else:
+            def compiled_step(reference: torch.optim.Optimizer = reference, raw: Any = raw) -> None:
+                raw(reference)
+
+            graph = torch.compile(_own_code(compiled_step), fullgraph=True)
+
+            def run(graph: Callable[[], None] = graph) -> None:
+                with torch.no_grad():
+                    graph()
+
+            steps[kind] = run
+    return steps
+
+
 class Case:
+    """One pinned step (or torch's unpinned steps alone, ``fraction=None``) and, beside it, torch's
+    unpinned eager and compiled steps on the same memory; every step runs all of them, the order
+    turning round step by step."""
+
     def __init__(self, name: str, width: int, layers: int, make: Callable[..., torch.optim.Optimizer],
                  fraction: float | None, compiled: bool, read_grads: bool = True) -> None:
         self.name = name
         self.net = model(width, layers)
         self.optimizer = make(self.net.parameters())
         self.handle = None
-        self.times: list[float] = []
-        if fraction is None:
-            self.step = torch.compile(self.optimizer.step) if compiled else self.optimizer.step
-        else:
+        if fraction is not None:
             pins = [Pin(f"{i}.weight", fraction=fraction, seed=i) for i in range(layers)]
             self.handle = pin(self.net, self.optimizer, pins, compile_step=compiled, zero_pinned_grads=read_grads)
             engine, optimizer = self.handle.engine, self.optimizer
@@ -73,18 +124,39 @@ class Case:
                 engine.mask_grads(optimizer)  # what the gradient hooks do during backward
                 optimizer.step()
 
-            self.step = step
+            start = time.perf_counter()
+            step()  # the first call compiles
+            step()  # and the second (the first step has a graph of its own)
+            self.compile_seconds = time.perf_counter() - start
+            self.steps = {"pinned": step}
+        else:
+            self.optimizer.step()  # the statistics exist before the references alias them
+            self.steps = {}
         start = time.perf_counter()
-        self.step()  # the first call compiles
-        self.compile_seconds = time.perf_counter() - start
+        self.steps.update(references(self.net, self.optimizer, make))
+        self.steps["compiled"]()
+        self.reference_compile_seconds = time.perf_counter() - start
+        self.times: dict[str, list[float]] = {kind: [] for kind in self.steps}
+        self._turn = 0
 
     def run(self, steps: int) -> None:
-        each = []
+        each: dict[str, list[float]] = {kind: [] for kind in self.steps}
+        kinds = list(self.steps)
         for _ in range(steps):
-            start = time.perf_counter()
-            self.step()
-            each.append(time.perf_counter() - start)
-        self.times.append(statistics.median(each))
+            self._turn += 1
+            for kind in kinds[self._turn % len(kinds):] + kinds[: self._turn % len(kinds)]:
+                start = time.perf_counter()
+                self.steps[kind]()
+                each[kind].append(time.perf_counter() - start)
+        for kind, times in each.items():
+            self.times[kind].append(statistics.median(times))
+
+    def ms(self, kind: str) -> float:
+        return statistics.median(self.times[kind]) * 1e3
+
+    def ratio(self, kind: str, over: str) -> float:
+        """Median over rounds of the per-round ratio of two of this case's steps (same memory)."""
+        return statistics.median(a / b for a, b in zip(self.times[kind], self.times[over]))
 
     def pinned_bytes(self) -> dict[str, float]:
         if self.handle is None:
@@ -109,8 +181,6 @@ def trainer_rows(width: int, layers: int, fractions: list[float], optimizers: li
     runs a ``torch.compile``-d step after Lightning's closure), ``PinCallback`` eager and
     ``PinCallback(compile_step=True)`` (the Trainer does not clip: pinned gradients are left to the
     step), fits interleaved round by round; medians of per-fit median step times (ms)."""
-    import inspect
-
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -140,10 +210,7 @@ def trainer_rows(width: int, layers: int, fractions: list[float], optimizers: li
                 def step(opt: torch.optim.Optimizer) -> None:
                     raw(opt)
 
-                # A code object of its own per fit: dynamo caches graphs per code object, and after
-                # 8 optimizers on one it would run them eager.
-                fresh = types.FunctionType(step.__code__.replace(), step.__globals__, "step", None, step.__closure__)
-                self._step = torch.compile(fresh, fullgraph=True)
+                self._step = torch.compile(_own_code(step), fullgraph=True)  # a graph per fit
             with torch.no_grad():
                 self._step(optimizer.optimizer)
 
@@ -235,49 +302,50 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for name in args.optimizers.split(","):
         make = OPTIMIZERS[name]
-        cases = [Case("eager", width, layers, make, None, False), Case("compiled", width, layers, make, None, True)]
+        cases: dict[str, Case] = {}
         for f in fractions:
-            cases.append(Case(f"pinned eager {f:.0%}", width, layers, make, f, False))
-            cases.append(Case(f"pinned compiled {f:.0%}", width, layers, make, f, True))
-            cases.append(Case(f"pinned compiled no read {f:.0%}", width, layers, make, f, True, read_grads=False))
+            cases[f"pinned eager {f:.0%}"] = Case("pinned eager", width, layers, make, f, False)
+            cases[f"pinned compiled {f:.0%}"] = Case("pinned compiled", width, layers, make, f, True)
+            cases[f"no read {f:.0%}"] = Case("no read", width, layers, make, f, True, read_grads=False)
         for _ in range(rounds):
-            for case in cases:
+            for case in cases.values():
                 case.run(args.steps)
-        ms = {c.name: statistics.median(c.times) * 1e3 for c in cases}
         for f in fractions:
-            pinned = next(c for c in cases if c.name == f"pinned compiled {f:.0%}")
+            eager, masked, no_read = (cases[f"{k} {f:.0%}"] for k in ("pinned eager", "pinned compiled", "no read"))
             row = {
                 "optimizer": name,
                 "fraction": f,
-                "eager_ms": ms["eager"],
-                "compiled_ms": ms["compiled"],
-                "pinned_eager_ms": ms[f"pinned eager {f:.0%}"],
-                "pinned_compiled_ms": ms[f"pinned compiled {f:.0%}"],
-                "pinned_compiled_over_compiled": ms[f"pinned compiled {f:.0%}"] / ms["compiled"],
-                "pinned_compiled_over_eager": ms[f"pinned compiled {f:.0%}"] / ms["eager"],
-                "pinned_compiled_no_read_ms": ms[f"pinned compiled no read {f:.0%}"],
-                "no_read_over_compiled": ms[f"pinned compiled no read {f:.0%}"] / ms["compiled"],
-                "no_read_over_eager": ms[f"pinned compiled no read {f:.0%}"] / ms["eager"],
-                "compile_s_compiled": cases[1].compile_seconds,
-                "compile_s_pinned_compiled": pinned.compile_seconds,
-                **pinned.pinned_bytes(),
+                # torch's own steps: medians over the three cases' memories
+                "eager_ms": statistics.median(c.ms("eager") for c in (eager, masked, no_read)),
+                "compiled_ms": statistics.median(c.ms("compiled") for c in (eager, masked, no_read)),
+                "pinned_eager_ms": eager.ms("pinned"),
+                "pinned_eager_over_eager": eager.ratio("pinned", "eager"),
+                "pinned_compiled_ms": masked.ms("pinned"),
+                "pinned_compiled_over_compiled": masked.ratio("pinned", "compiled"),
+                "pinned_compiled_over_eager": masked.ratio("pinned", "eager"),
+                "pinned_compiled_no_read_ms": no_read.ms("pinned"),
+                "no_read_over_compiled": no_read.ratio("pinned", "compiled"),
+                "no_read_over_eager": no_read.ratio("pinned", "eager"),
+                "no_read_rounds": [round(a / b, 3) for a, b in zip(no_read.times["pinned"], no_read.times["compiled"])],
+                "compile_s_compiled": masked.reference_compile_seconds,
+                "compile_s_pinned_compiled": masked.compile_seconds,
+                **masked.pinned_bytes(),
             }
             results.append(row)
             print(json.dumps(row), flush=True)
-        for case in cases:
-            if case.handle is not None:
-                case.handle.remove()
+        for case in cases.values():
+            case.handle.remove()
         del cases
     print()
     print(f"{width * width * layers + width * layers:,} parameters, {args.threads} threads, {rounds} rounds x "
-          f"{args.steps} steps, medians (ms)")
-    print("| optimizer | pinned | eager | compiled | pinned eager | pinned compiled | / compiled | / eager "
+          f"{args.steps} steps, medians (ms); ratios are medians of per-round ratios on the same memory")
+    print("| optimizer | pinned | eager | compiled | pinned eager | / eager | pinned compiled | / compiled | / eager "
           "| pinned compiled, no read | / compiled | / eager "
           "| compile s (unpinned / pinned) | bytes per pinned element (engine + compiled) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(f"| {r['optimizer']} | {r['fraction']:.0%} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
-              f"{r['pinned_eager_ms']:.1f} | {r['pinned_compiled_ms']:.1f} | "
+              f"{r['pinned_eager_ms']:.1f} | {r['pinned_eager_over_eager']:.2f} | {r['pinned_compiled_ms']:.1f} | "
               f"{r['pinned_compiled_over_compiled']:.2f} | "
               f"{r['pinned_compiled_over_eager']:.2f} | {r['pinned_compiled_no_read_ms']:.1f} | "
               f"{r['no_read_over_compiled']:.2f} | {r['no_read_over_eager']:.2f} | {r['compile_s_compiled']:.1f} / "
