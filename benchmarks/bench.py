@@ -13,6 +13,7 @@ step and everything the callbacks do, in a real ``Trainer.fit``.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -517,27 +518,52 @@ def _deep_stack(layers: int, parameters: int) -> tuple[nn.Module, list[str]]:
     return model, [f"{i}.weight" for i in range(layers)]
 
 
+def aliased(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters are aliases of ``model``'s (``.data``: the same storage,
+    version counters of their own). The depth rows time the unpinned loop on the pinned loop's
+    memory: identical models in separate memory differed by several percent here, by where the
+    allocator put them, as much as the differences measured."""
+    twin = copy.deepcopy(model)
+    for name, parameter in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        twin.get_submodule(owner)._parameters[leaf] = nn.Parameter(parameter.data)
+    return twin
+
+
+def alias_statistics(source: torch.optim.Optimizer, twin: torch.optim.Optimizer) -> None:
+    """Point ``twin``'s per-element statistics at ``source``'s (both have stepped once; parameters
+    in the same order)."""
+    for mine, theirs in zip((p for g in twin.param_groups for p in g["params"]),
+                            (p for g in source.param_groups for p in g["params"])):
+        for key, value in source.state[theirs].items():
+            if isinstance(value, torch.Tensor) and value.shape == theirs.shape:
+                twin.state[mine][key] = value.data
+
+
 def depth_rounds(
     layers: int, fraction: float, optimizer: str, rounds: int, steps: int, warmup: int, parameters: int = 4_000_000
 ) -> dict[str, Any]:
     """Plain-loop step times (forward of a batch of 16, backward, step, zero_grad) with ``pin()``
-    on ``fraction`` of every weight and without. Both loops live side by side and take turns step
-    by step (the order flips every step), so that the machine's noise, which on a shared host
-    comes in bursts longer than a step, hits both alike. Returns the median step times, the ratio
+    on ``fraction`` of every weight and without, on the same weights and statistics (aliased).
+    Both loops take turns step by step (the order flips every step), so that the machine's noise,
+    which on a shared host comes in bursts longer than a step, hits both alike. Returns the median step times, the ratio
     of medians per round and the microseconds pinning adds per pinned tensor and step."""
     from lightning_pin import pin
 
     pinned_ms, unpinned_ms, ratios, cpu_ratios = [], [], [], []
     for _ in range(rounds):
-        loops = {}
-        for pinned in (False, True):
-            model, names = _deep_stack(layers, parameters)
-            opt = DEPTH_OPTIMIZERS[optimizer](model.parameters())
-            handle = pin(model, opt, [Pin(names, fraction=fraction, seed=0)]) if pinned else None
-            loops[pinned] = (model, opt, handle, [], [])
-        x = torch.randn(16, loops[False][0][0].in_features)
+        model, names = _deep_stack(layers, parameters)
+        opt = DEPTH_OPTIMIZERS[optimizer](model.parameters())
+        twin = aliased(model)  # the unpinned loop trains the same memory (see aliased); before pin()'s hooks
+        loops = {
+            True: (model, opt, pin(model, opt, [Pin(names, fraction=fraction, seed=0)]), [], []),
+            False: (twin, DEPTH_OPTIMIZERS[optimizer](twin.parameters()), None, [], []),
+        }
+        x = torch.randn(16, model[0].in_features)
         gc.collect()
         for step in range(warmup + steps):
+            if step == 1:
+                alias_statistics(loops[True][1], loops[False][1])
             for pinned in ((False, True) if step % 2 else (True, False)):
                 model, opt, _, wall, cpu = loops[pinned]
                 started, started_cpu = time.perf_counter(), time.process_time()

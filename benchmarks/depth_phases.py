@@ -3,7 +3,8 @@
     python benchmarks/depth_phases.py 256 0.01 forloop     # tensors, fraction, forloop|foreach|sgd
 
 Two loops over the same 4M parameters as N square Linear layers live side by side and take turns
-step by step (the order flips every step) for 200 steps; the medians of each phase and of the
+step by step (the order flips every step) for 200 steps, on the same weights and statistics
+(aliased, see bench.aliased); the medians of each phase and of the
 whole step are printed, with the ratio and the microseconds pinning adds per pinned tensor.
 """
 import gc
@@ -15,6 +16,8 @@ import torch
 from torch import nn
 from lightning_pin import Pin, pin
 
+from bench import alias_statistics, aliased
+
 
 def main() -> None:
     torch.set_num_threads(1)
@@ -23,17 +26,17 @@ def main() -> None:
     opt_kind = sys.argv[3] if len(sys.argv) > 3 else "forloop"
     steps = 200
     width = round((4_000_000 / layers) ** 0.5)
-    def make():
-        torch.manual_seed(0)
-        m = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    def optimizer(m):
         if opt_kind == "forloop":
-            o = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
-        elif opt_kind == "foreach":
-            o = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
-        else:
-            o = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
-        return m, o
-    mu, ou = make(); mp, op = make()
+            return torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
+        if opt_kind == "foreach":
+            return torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
+        return torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+    torch.manual_seed(0)
+    mp = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    op = optimizer(mp)
+    mu = aliased(mp)  # the unpinned loop trains the same memory (bench.aliased)
+    ou = optimizer(mu)
     h = pin(mp, op, [Pin([f"{i}.weight" for i in range(layers)], fraction=frac, seed=0)])
     x = torch.randn(16, width)
     res = {False: {"fwd": [], "bwd": [], "step": [], "zero": []}, True: {"fwd": [], "bwd": [], "step": [], "zero": []}}
@@ -42,6 +45,8 @@ def main() -> None:
             t0 = time.perf_counter(); loss = m(x).square().mean(); t1 = time.perf_counter()
             loss.backward(); t2 = time.perf_counter()
             o.step(); t3 = time.perf_counter(); o.zero_grad(); t4 = time.perf_counter()
+            if s == 0 and not pinned:
+                alias_statistics(op, ou)
             if s >= 10:
                 r = res[pinned]; r["fwd"].append(t1-t0); r["bwd"].append(t2-t1); r["step"].append(t3-t2); r["zero"].append(t4-t3)
     tot = {}
