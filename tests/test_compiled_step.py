@@ -347,3 +347,21 @@ def test_pin_can_leave_pinned_gradients_to_the_compiled_step():
             assert torch.equal(model[2].weight, reference[2].weight), step
             with torch.no_grad():
                 reference[0].weight.view(-1)[index] = target.values
+
+
+def test_the_compiled_step_names_itself_to_a_profiler_as_torch_step_does():
+    """The profiler range is entered only while a profiler listens (it costs ~10 us a step), and
+    then under torch's own name for an optimizer step."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    with pin(model, optimizer, [Pin("0.weight", fraction=0.5, seed=2)], compile_step=True) as handle:
+        for _ in range(2):
+            model(torch.randn(8, 6)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model(torch.randn(8, 6)).square().mean().backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            optimizer.step()
+        names = {event.name for event in profiler.events()}
+        assert "Optimizer.step#AdamW.step" in names
+        handle.verify()
