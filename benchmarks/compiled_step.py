@@ -63,8 +63,8 @@ def model(width: int, layers: int) -> nn.Module:
 def _own_code(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` with a code object of its own: dynamo caches graphs per code object, and after
     8 optimizers on one it would run them eager."""
-    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__, function.__defaults__,
-                              function.__closure__)
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
 
 
 def references(net: nn.Module, optimizer: torch.optim.Optimizer,

@@ -39,22 +39,34 @@ def main() -> None:
     ou = optimizer(mu)
     h = pin(mp, op, [Pin([f"{i}.weight" for i in range(layers)], fraction=frac, seed=0)])
     x = torch.randn(16, width)
-    res = {False: {"fwd": [], "bwd": [], "step": [], "zero": []}, True: {"fwd": [], "bwd": [], "step": [], "zero": []}}
+    phases = ("fwd", "bwd", "step", "zero")
+    res = {pinned: {phase: [] for phase in phases} for pinned in (False, True)}
+    loops = {False: (mu, ou), True: (mp, op)}
     for s in range(steps):
-        for pinned, (m, o) in ((False, (mu, ou)), (True, (mp, op))) if s % 2 else ((True, (mp, op)), (False, (mu, ou))):
-            t0 = time.perf_counter(); loss = m(x).square().mean(); t1 = time.perf_counter()
-            loss.backward(); t2 = time.perf_counter()
-            o.step(); t3 = time.perf_counter(); o.zero_grad(); t4 = time.perf_counter()
+        for pinned in (False, True) if s % 2 else (True, False):
+            m, o = loops[pinned]
+            t0 = time.perf_counter()
+            loss = m(x).square().mean()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            o.step()
+            t3 = time.perf_counter()
+            o.zero_grad()
+            t4 = time.perf_counter()
             if s == 0 and not pinned:
                 alias_statistics(op, ou)
             if s >= 10:
-                r = res[pinned]; r["fwd"].append(t1-t0); r["bwd"].append(t2-t1); r["step"].append(t3-t2); r["zero"].append(t4-t3)
+                for phase, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    res[pinned][phase].append(seconds)
     tot = {}
     for pinned in (False, True):
         r = res[pinned]
-        tot[pinned] = statistics.median([a+b+c+d for a,b,c,d in zip(r["fwd"], r["bwd"], r["step"], r["zero"])])
-        print("pinned" if pinned else "unpinned", " ".join(f"{k} {statistics.median(v)*1e3:.2f}" for k, v in r.items()), f"total {tot[pinned]*1e3:.2f}")
-    print(f"layers {layers} frac {frac} {opt_kind}: ratio {tot[True]/tot[False]:.3f}  us/tensor {(tot[True]-tot[False])*1e6/layers:.1f}")
+        tot[pinned] = statistics.median([sum(each) for each in zip(*r.values())])
+        medians = " ".join(f"{k} {statistics.median(v) * 1e3:.2f}" for k, v in r.items())
+        print("pinned" if pinned else "unpinned", medians, f"total {tot[pinned] * 1e3:.2f}")
+    print(f"layers {layers} frac {frac} {opt_kind}: ratio {tot[True] / tot[False]:.3f}  "
+          f"us/tensor {(tot[True] - tot[False]) * 1e6 / layers:.1f}")
     h.verify()
 
 
