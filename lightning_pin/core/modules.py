@@ -60,11 +60,10 @@ class ParameterWatch:
         (False, ('weight', 'replaced'))
     """
 
-    def __init__(self, module: nn.Module, parameters: Mapping[str, nn.Parameter], *, dtypes: bool = True) -> None:
+    def __init__(self, module: nn.Module, parameters: Mapping[str, nn.Parameter]) -> None:
         from lightning_pin.core.sharding import is_sharded
 
         self.module = module
-        self.dtypes = dtypes
         self._planned = {
             name: (parameter, parameter.dtype, parameter.device)
             for name, parameter in parameters.items()
@@ -74,7 +73,7 @@ class ParameterWatch:
 
     def intact(self) -> bool:
         """Every submodule on the way to a watched parameter is the one seen first and holds the
-        planned tensor (uncast and unmoved, with ``dtypes``). False: see :meth:`first_change`."""
+        planned tensor, uncast and unmoved. False: see :meth:`first_change`."""
         if self._path is None:
             hops: dict[tuple[int, str], tuple[nn.Module, str, nn.Module]] = {}
             owners = []
@@ -94,9 +93,7 @@ class ParameterWatch:
             if module._modules.get(part) is not child:
                 return False
         for parameters, attr, planned, dtype, device in owners:
-            if parameters.get(attr) is not planned:
-                return False
-            if self.dtypes and (planned.dtype != dtype or planned.device != device):
+            if parameters.get(attr) is not planned or planned.dtype != dtype or planned.device != device:
                 return False
         return True
 
@@ -110,6 +107,6 @@ class ParameterWatch:
                 return name, "gone"
             if current is not planned:
                 return name, "replaced"
-            if self.dtypes and (planned.dtype != dtype or planned.device != device):
+            if planned.dtype != dtype or planned.device != device:
                 return name, f"cast or moved from {dtype} on {device} to {planned.dtype} on {planned.device}"
         return None
