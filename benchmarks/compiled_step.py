@@ -37,13 +37,14 @@ import os
 import statistics
 import sys
 import time
-import types
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
+from bench import alias_statistics  # benchmarks/ is sys.path[0] when run as a script
 from lightning_pin import Pin, pin
+from lightning_pin.core.compiled_step import _own_code
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=1e-2),
@@ -58,13 +59,6 @@ def model(width: int, layers: int) -> nn.Module:
     for p in net.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     return net
-
-
-def _own_code(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` with a code object of its own: dynamo caches graphs per code object, and after
-    8 optimizers on one it would run them eager."""
-    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                              function.__defaults__, function.__closure__)
 
 
 def references(net: nn.Module, optimizer: torch.optim.Optimizer,
@@ -84,10 +78,7 @@ def references(net: nn.Module, optimizer: torch.optim.Optimizer,
         raw = inspect.unwrap(type(reference).step)
         with torch.no_grad():
             raw(reference)  # make its statistics, then point them at the pinned optimizer's
-        for alias, p in zip(aliases, params):
-            for key, value in optimizer.state[p].items():
-                if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    reference.state[alias][key] = value.data
+        alias_statistics(optimizer, reference)
         if kind == "eager":
             steps[kind] = reference.step  # torch's hooked step, foreach: what users run
         else:

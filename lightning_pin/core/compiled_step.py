@@ -180,8 +180,9 @@ def _own_code(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` with a code object of its own. Dynamo keeps compiled graphs on the code object,
     guarded on the optimizer and the tensors, up to ``recompile_limit`` (8) of them: with one code
     object for all, the ninth optimizer of a process (a second fit, several optimizers) would run
-    eager. One per optimizer keeps each to its own one or two graphs."""
-    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
+    eager. One per optimizer keeps each to its own one or two graphs. Defaults and closure are kept."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
 
 
 class CompiledStep:
