@@ -89,16 +89,23 @@ def accuracy(model, data, task):
     return float((logits(model, data, task).argmax(1) == data[task]["test"][1]).float().mean())
 
 
-def setup(seed):
+#: The optimizers the tasks can be learned with: AdamW with weight decay 0.01 (the default), or Adam.
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=5e-3, weight_decay=0.01),
+    "adam": lambda params: torch.optim.Adam(params, lr=5e-3),
+}
+
+
+def setup(seed, optimizer_name="adamw"):
     torch.manual_seed(seed)
     model = MultiHead()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.01)
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.8)
     return model, optimizer, scheduler
 
 
-def naive(data, epochs, seed):
-    model, optimizer, scheduler = setup(seed)
+def naive(data, epochs, seed, optimizer_name="adamw"):
+    model, optimizer, scheduler = setup(seed, optimizer_name)
     log = AccuracyMatrix(TASKS)
     for task in range(1, TASKS + 1):
         train(model, optimizer, scheduler, data, task, epochs)
@@ -106,8 +113,8 @@ def naive(data, epochs, seed):
     return log
 
 
-def requires_grad_false(data, epochs, seed):
-    model, optimizer, scheduler = setup(seed)
+def requires_grad_false(data, epochs, seed, optimizer_name="adamw"):
+    model, optimizer, scheduler = setup(seed, optimizer_name)
     log = AccuracyMatrix(TASKS)
     frozen_trunk = None
     for task in range(1, TASKS + 1):
@@ -122,8 +129,8 @@ def requires_grad_false(data, epochs, seed):
     return log, moved
 
 
-def task_ownership(data, epochs, seed):
-    model, optimizer, scheduler = setup(seed)
+def task_ownership(data, epochs, seed, optimizer_name="adamw", release="zero"):
+    model, optimizer, scheduler = setup(seed, optimizer_name)
     own = TaskOwnership(model, "*", heads={t: f"heads.{t - 1}.*" for t in range(1, TASKS + 1)})
     log = AccuracyMatrix(TASKS)
     first_logits = None
@@ -132,7 +139,7 @@ def task_ownership(data, epochs, seed):
             train(model, optimizer, scheduler, data, task, epochs)
             handle.verify()
         if task < TASKS:  # the last task keeps everything left
-            own.prune(task, PRUNE)
+            own.prune(task, PRUNE, release=release)
             with pin(model, optimizer, own.pins(task)) as handle:  # retrain after pruning
                 train(model, optimizer, scheduler, data, task, max(epochs // 2, 1))
                 handle.verify()
@@ -151,12 +158,15 @@ def main() -> None:
     parser.add_argument("--out", default="continual_out", help="directory for the JSON report and the heat map")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
+    parser.add_argument("--release", choices=("zero", "keep"), default="zero",
+                        help="what pruned weights start the next task from: 0, or the values they had")
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = split_digits(args.seed)
-    ownership, own, same_logits = task_ownership(data, args.epochs, args.seed)
-    frozen, moved = requires_grad_false(data, args.epochs, args.seed)
-    logs = {"naive fine-tuning": naive(data, args.epochs, args.seed), "requires_grad=False": frozen,
+    ownership, own, same_logits = task_ownership(data, args.epochs, args.seed, args.optimizer, args.release)
+    frozen, moved = requires_grad_false(data, args.epochs, args.seed, args.optimizer)
+    logs = {"naive fine-tuning": naive(data, args.epochs, args.seed, args.optimizer), "requires_grad=False": frozen,
             "TaskOwnership": ownership}
     methods = {name: log.to_dict() for name, log in logs.items()}
     for name, report in methods.items():
