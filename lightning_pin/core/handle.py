@@ -14,7 +14,11 @@ instead of Lightning's:
   weight decay and state included) and checks that ``when`` pins were decided for this batch;
 - a step post-hook writes every pinned value back right after each real step (a step the scaler
   skips runs no hook and changes no weight), counts the steps of the first optimizer, and forces
-  the values of pins whose window starts at the next step, so that step's forward sees them.
+  the values of pins whose window starts at the next step, so that step's forward sees them;
+- a global step pre-hook (torch's ``register_optimizer_step_pre_hook``, which sees every
+  optimizer) refuses the step of an optimizer the handle was not given that would update a
+  pinned parameter, before the update lands. Param groups added to the handle's optimizers after
+  :func:`pin` (progressive unfreezing with ``add_param_group``) are covered from their first step.
 
 A step that ``torch.amp.GradScaler`` skips (inf/NaN gradients) calls no ``step()`` of a
 for-loop or foreach optimizer: no hook runs and ``handle.step`` does not count it. A fused
@@ -32,6 +36,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pin.core.backward_end import EndOfBackward
@@ -182,11 +187,18 @@ class PinHandle:
         self._end_of_backward: Optional[EndOfBackward] = None
         self._grad_hooks: list[RemovableHandle] = []
         self._masked_for: set[int] = set()
+        # Ids of the optimizers the handle was given: the global check (_check_any_step) skips them.
+        self._own_ids = frozenset(id(o) for o in self.optimizers)
+        # With the hooks per parameter: element-pinned parameters frozen when the hooks were
+        # placed (no hook can sit on them), watched for a gradient (unfrozen later).
+        self._unhooked: list[tuple[str, nn.Parameter]] = []
 
     def _attach(self) -> None:
         engine = self.engine
         self._grad_hooks = engine.register_grad_hooks()
         self._handles += self._grad_hooks
+        self._unhooked = self._frozen_element_pinned()
+        self._handles.append(_Covering(self))
         if self._may_group:
             self._end_of_backward = EndOfBackward(self.module, self._after_backward)
             self._handles.append(self._end_of_backward)
@@ -296,12 +308,36 @@ class PinHandle:
             self._end_of_backward = None
         self._grad_hooks = self.engine.register_grad_hooks()
         self._handles += self._grad_hooks
+        self._unhooked = self._frozen_element_pinned()
         self._grouped = False
+
+    def _frozen_element_pinned(self) -> list[tuple[str, nn.Parameter]]:
+        """Element-pinned parameters without a gradient hook (frozen when the hooks were placed)."""
+        elements = {name for rp in self.engine.plan.pins for name, sel in rp.selections.items() if sel.index is not None}
+        return [(n, p) for n, p in self.engine.plan.parameters.items() if n in elements and not p.requires_grad]
+
+    def _hook_unfrozen(self) -> None:
+        """With the hooks per parameter: an element-pinned parameter frozen at :func:`pin` and
+        unfrozen since has an unmasked gradient: mask it now, before the step, and hook it from
+        now on. Wholly pinned tensors need none of this (their gradient is dropped before the step)."""
+        still = []
+        for name, parameter in self._unhooked:
+            if parameter.grad is not None:
+                self.engine._grad_hook(name)(parameter)
+            if parameter.requires_grad:
+                hooks = self.engine.register_grad_hooks([name])
+                self._grad_hooks += hooks
+                self._handles += hooks
+            else:
+                still.append((name, parameter))
+        self._unhooked = still
 
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._check_module("before optimizer.step()")
         if self._grouped:
             self._check_masked(optimizer, args, kwargs)
+        elif self._unhooked:
+            self._hook_unfrozen()
         if self._has_when and id(optimizer) not in self._decided:
             raise PinError(
                 "a pin has `when`, but handle.batch_start(batch, batch_idx) was not called since this "
@@ -443,11 +479,13 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     ``buffers=False``.
 
     Raises:
-        PinError: ``module`` is not an ``nn.Module``; no optimizer is given; a pinned parameter that
-            requires grad is in none of ``optimizers``; a pin cannot be honoured (named, with what
-            would be right); it gives an element another value than a live handle on the same
-            module; or the ranks of a distributed run resolved different pins. No weight has
-            changed and no hook is left behind.
+        PinError: ``module`` is not an ``nn.Module``; no optimizer is given; a pin cannot be
+            honoured (named, with what would be right); it gives an element another value than a
+            live handle on the same module; or the ranks of a distributed run resolved different
+            pins. No weight has changed and no hook is left behind. Later, at a step: an
+            optimizer not in ``optimizers`` is about to update a pinned parameter (refused before
+            its update). A pinned parameter no optimizer holds yet is fine: a param group added to
+            one of ``optimizers`` later (``add_param_group``) is covered from its first step.
 
     Example::
 
@@ -477,7 +515,6 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         optimizer_list = [unwrap_optimizer(o) for o in optimizer_list]
         engine: Optional[PinEngine] = PinEngine(resolve(as_pins(pins), target))  # every check, nothing touched
         refuse_sparse_gradients(engine.plan, target)
-        _refuse_unheld_parameters(engine.plan, optimizer_list)
         _refuse_conflicts_with_live_handles(engine.plan, target)
         rejected = None
     except PinError as err:
@@ -508,24 +545,73 @@ def _kind(value: Any) -> str:
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
 
 
-def _refuse_unheld_parameters(plan: PinPlan, optimizers: Sequence[Optimizer]) -> None:
-    """Every pinned parameter that requires grad must be in one of ``optimizers``.
+# Every live handle's check of the optimizers it was not given runs from one torch-global step
+# pre-hook (register_optimizer_step_pre_hook sees every optimizer), installed while a handle lives:
+# per step, one param-group layout and one lookup, whatever the number of handles.
+_COVERING: weakref.WeakSet[PinHandle] = weakref.WeakSet()
+_GLOBAL_HOOK: list[RemovableHandle] = []
+# Per optimizer: (the handles' version, its param-group layout, [(handle, names, parameters)] of
+# the live handles it was not given whose pinned parameters it holds).
+_HELD: weakref.WeakKeyDictionary[Optimizer, tuple[int, tuple[tuple[int, int], ...], list[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+_VERSION = [0]
 
-    pin() hooks only the optimizers it is given: another optimizer stepping a pinned parameter
-    (its weight decay, its momentum) would move it with nothing to restore it.
+
+def _layout(optimizer: Optimizer) -> tuple[tuple[int, int], ...]:
+    return tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
+
+
+def _check_any_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    """The global step pre-hook: an optimizer may not update the pinned parameters of a live handle
+    it was not given. Host-side only (identity of Python objects, ``requires_grad``, ``grad is None``).
 
     Raises:
-        PinError: naming the pinned trainable parameters no given optimizer holds.
+        PinError: before the update lands, naming the optimizer and the parameters.
     """
-    held = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
-    missing = [name for name, p in plan.parameters.items() if p.requires_grad and id(p) not in held]
-    if missing:
-        raise PinError(
-            f"pinned parameter(s) {missing[:10]} require grad but are in none of the optimizer(s) given to pin(): "
-            "another optimizer stepping them would move them unseen. Pass every optimizer that updates the "
-            "module to pin(model, [opt1, opt2], pins), or set requires_grad=False on parameters no optimizer "
-            "trains"
-        )
+    layout = _layout(optimizer)
+    cached = _HELD.get(optimizer)
+    if cached is None or cached[0] != _VERSION[0] or cached[1] != layout:
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        held = []
+        for handle in list(_COVERING):
+            if id(optimizer) in handle._own_ids:
+                continue
+            mine = [(n, p) for n, p in handle.engine.plan.parameters.items() if id(p) in ids]
+            if mine:
+                held.append((weakref.ref(handle), mine))
+        cached = _HELD[optimizer] = (_VERSION[0], layout, held)
+    for _, mine in cached[2]:
+        # A frozen parameter without a gradient is skipped by the optimizer: holding it is harmless.
+        stepped = [name for name, p in mine if p.requires_grad or p.grad is not None]
+        if stepped:
+            raise PinError(
+                f"{type(optimizer).__name__} (an optimizer not given to pin()) is about to step the pinned "
+                f"parameter(s) {stepped[:10]}: its update (weight decay, momentum) would move them with nothing to "
+                "restore them, so the step is refused before it changes anything. Pass every optimizer that "
+                "updates the module: pin(model, [opt1, opt2], pins), take the pinned parameters out of its param "
+                "groups, or handle.remove() the pin() you are done with"
+            )
+
+
+class _Covering:
+    """A handle's place in the global check (see :func:`_check_any_step`); ``remove()`` takes it out,
+    and the global hook goes when no handle is left."""
+
+    def __init__(self, handle: PinHandle) -> None:
+        self._handle = weakref.ref(handle)
+        _COVERING.add(handle)
+        _VERSION[0] += 1
+        if not _GLOBAL_HOOK:
+            _GLOBAL_HOOK.append(register_optimizer_step_pre_hook(_check_any_step))
+
+    def remove(self) -> None:
+        handle = self._handle()
+        if handle is not None:
+            _COVERING.discard(handle)
+        _VERSION[0] += 1
+        if not _COVERING and _GLOBAL_HOOK:
+            _GLOBAL_HOOK.pop().remove()
 
 
 def _refuse_conflicts_with_live_handles(plan: PinPlan, module: nn.Module) -> None:
