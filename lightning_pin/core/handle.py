@@ -192,6 +192,8 @@ class PinHandle:
         # With the hooks per parameter: element-pinned parameters frozen when the hooks were
         # placed (no hook can sit on them), watched for a gradient (unfrozen later).
         self._unhooked: list[tuple[str, nn.Parameter]] = []
+        # Averaged copies that hold the pins (see hold): id -> (what it is, its module, its handle).
+        self._held: dict[int, tuple[str, nn.Module, Any]] = {}
 
     def _attach(self) -> None:
         engine = self.engine
@@ -373,7 +375,8 @@ class PinHandle:
         Raises:
             PinError: an active pinned element is off target, or a pinned parameter is missing
                 from ``module`` or changed shape; without ``module``, also when a pinned parameter
-                of the pinned module was replaced, cast or moved after :func:`pin`.
+                of the pinned module was replaced, cast or moved after :func:`pin`, or an element
+                of an averaged copy :meth:`hold` keeps is off target.
         """
         if module is None:
             self._check_module("handle.verify")
@@ -382,9 +385,102 @@ class PinHandle:
         parameters = None if module is None else dict(unwrap(module).named_parameters(remove_duplicate=False))
         violations: list[Any] = engine.violations(parameters, pin_ids)
         violations += self.buffers.violations(None if module is None else unwrap(module))
+        lines = [str(v) for v in violations]
+        if module is None:  # the averaged copies hold() keeps, named
+            for what, copy, _ in self._held.values():
+                held = dict(copy.named_parameters(remove_duplicate=False))
+                found = engine.violations(held, pin_ids) + self.buffers.violations(copy)
+                violations += found
+                lines += [f"in the held copy {what}: {v}" for v in found]
         if violations:
             total = sum(v.count for v in violations)
-            raise PinError(f"{total} pinned element(s) off target:\n" + "\n".join(f"  {v}" for v in violations))
+            raise PinError(f"{total} pinned element(s) off target:\n" + "\n".join(f"  {line}" for line in lines))
+
+    def hold(self, averaged: nn.Module) -> _Undo:
+        """Make an averaged copy of the weights hold the pins too: a plain loop's
+        ``torch.optim.swa_utils.AveragedModel`` (SWA, EMA or any ``avg_fn`` / ``multi_avg_fn``).
+
+        Averaging moves pinned elements (an EMA rounds a pinned value, an average of words breaks
+        their stuck bits), and the copy is what gets evaluated and saved. From now on, right after
+        every ``averaged.update_parameters(model)``, the targets of the pins active at the last
+        step (values, stuck bits, bounds) are written into its pinned elements, and into the
+        buffers the pins hold (with ``use_buffers=True``); also at once, for a copy taken before
+        :func:`pin`. :meth:`verify` then checks the copy too. Removing the returned handle (or
+        this one) stops it.
+
+        Example::
+
+            >>> import torch
+            >>> from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+            >>> from lightning_pin import Pin, pin
+            >>> model = torch.nn.Linear(4, 2)
+            >>> optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+            >>> ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.99))
+            >>> with pin(model, optimizer, Pin("weight", indices=[(0, 0)], stuck_at_one=0x80000000)) as handle:
+            ...     _ = handle.hold(ema)
+            ...     for _ in range(3):
+            ...         model(torch.randn(8, 4)).square().sum().backward()
+            ...         optimizer.step()
+            ...         optimizer.zero_grad()
+            ...         ema.update_parameters(model)
+            ...     handle.verify()                     # the model and the EMA copy
+            >>> bool(ema.module.weight[0, 0] <= 0)     # its sign bit is stuck at 1 in the copy too
+            True
+
+        Raises:
+            PinError: ``averaged`` is not an ``AveragedModel`` (no ``update_parameters`` and
+                ``module``), it lacks a pinned parameter or holds it in another shape, or the
+                handle was removed.
+        """
+        self._refuse_if_removed("hold")
+        inner = getattr(averaged, "module", None)
+        if not isinstance(averaged, nn.Module) or not isinstance(inner, nn.Module) or not callable(
+            getattr(averaged, "update_parameters", None)
+        ):
+            raise PinError(
+                f"hold() takes a torch.optim.swa_utils.AveragedModel (a module with .module and .update_parameters), "
+                f"got {_kind(averaged)}"
+            )
+        copy = unwrap(inner)
+        parameters = dict(copy.named_parameters(remove_duplicate=False))
+        for name, parameter in self.engine.plan.parameters.items():
+            held = parameters.get(name)
+            if held is None or held.shape != parameter.shape:
+                what = "lacks the pinned parameter" if held is None else f"holds {tuple(held.shape)} for"
+                raise PinError(
+                    f"hold(): the averaged copy ({type(copy).__name__}) {what} {name!r} "
+                    f"{tuple(parameter.shape)}: average a copy of the pinned module (AveragedModel(model))"
+                )
+        update = averaged.update_parameters
+
+        def update_and_hold(*args: Any, **kwargs: Any) -> Any:
+            result = update(*args, **kwargs)
+            self._write_held(copy, parameters)
+            return result
+
+        # An instance attribute (nn.Module keeps it in __dict__): removing it brings back the method.
+        object.__setattr__(averaged, "update_parameters", update_and_hold)
+        self._write_held(copy, parameters)
+        holds = self._held
+
+        def undo() -> None:
+            if vars(averaged).get("update_parameters") is update_and_hold:
+                if update.__self__ is averaged and getattr(update, "__func__", None) is type(averaged).update_parameters:
+                    del vars(averaged)["update_parameters"]
+                else:
+                    object.__setattr__(averaged, "update_parameters", update)  # another wrapper was there
+            holds.pop(id(averaged), None)
+
+        removable = _Undo(undo)
+        holds[id(averaged)] = (type(averaged).__name__, copy, removable)
+        self._handles.append(removable)
+        return removable
+
+    @torch.no_grad()
+    def _write_held(self, copy: nn.Module, parameters: Mapping[str, Any]) -> None:
+        self.engine.write_into(parameters)
+        if self.buffers:
+            self.buffers.write_into(copy)
 
     def state_dict(self) -> dict[str, Any]:
         """Selections, targets (captured ones too), activity and the step count: tensors, lists,
@@ -538,6 +634,18 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         raise
     _LIVE.setdefault(target, weakref.WeakSet()).add(handle)
     return handle
+
+
+class _Undo:
+    """A removable handle that calls ``undo`` once."""
+
+    def __init__(self, undo: Any) -> None:
+        self._undo = undo
+
+    def remove(self) -> None:
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
 
 
 def _kind(value: Any) -> str:
