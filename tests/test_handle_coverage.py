@@ -137,3 +137,25 @@ def test_the_global_optimizer_hooks_go_with_the_handle(monkeypatch):
     other = torch.optim.SGD(models[2].parameters(), lr=0.1)
     _loss(models[2], 0).backward()
     other.step()
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """An optimizer that steps an inner one inside its own step (as ZeroRedundancyOptimizer does with `optim`)."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.optim = inner
+        super().__init__(inner.param_groups, inner.defaults)
+
+    def step(self, closure=None):
+        return self.optim.step(closure)
+
+
+def test_an_optimizer_stepped_inside_a_given_one_is_covered_by_it():
+    model = _net()
+    outer = _Wrapper(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5))
+    with pin(model, outer, Pin("0.weight", indices=[(0, 0)], value=0.5)) as handle:
+        for step in range(3):
+            _loss(model, step).backward()
+            outer.step()
+            outer.zero_grad()
+        handle.verify()

@@ -187,8 +187,13 @@ class PinHandle:
         self._end_of_backward: Optional[EndOfBackward] = None
         self._grad_hooks: list[RemovableHandle] = []
         self._masked_for: set[int] = set()
-        # Ids of the optimizers the handle was given: the global check (_check_any_step) skips them.
-        self._own_ids = frozenset(id(o) for o in self.optimizers)
+        # Ids of the optimizers the handle was given, and of optimizers they wrap (ZeroRedundancyOptimizer
+        # steps its `optim` inside its own step, whose post-hook restores after): the global check
+        # (_check_any_step) skips them.
+        self._own_ids = frozenset(
+            [id(o) for o in self.optimizers]
+            + [id(v) for o in self.optimizers for v in vars(o).values() if isinstance(v, Optimizer)]
+        )
         # With the hooks per parameter: element-pinned parameters frozen when the hooks were
         # placed (no hook can sit on them), watched for a gradient (unfrozen later).
         self._unhooked: list[tuple[str, nn.Parameter]] = []
