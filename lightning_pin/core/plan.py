@@ -777,8 +777,8 @@ def _by_name(
         # applying an entry meant for something else (because its shape fits) would pin values
         # nobody chose.
         raise PinError(
-            f"{pin!r}: {field} has no entry for parameter {name!r}; its keys {others[:10]} name other parameters, "
-            f"buffers or submodules of the module (all keys: {sorted(map(str, source))[:10]}). Add an entry under "
+            f"{pin!r}: {field} has no entry for parameter {name!r}; its keys are {sorted(map(str, source))[:10]}, and "
+            f"{others[:10]} name other parameters, buffers or submodules of the module. Add an entry under "
             f"{name!r}, or give a bare tensor for one parameter"
         )
     if len(source) == 1 and len(matched) == 1:
