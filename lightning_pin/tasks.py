@@ -646,7 +646,9 @@ class AccuracyMatrix:
             try:
                 value = float(result)
             except (TypeError, ValueError) as err:
-                raise PinError(f"AccuracyMatrix.measure({after}): evaluate({j}) returned {result!r}, not a number") from err
+                raise PinError(
+                    f"AccuracyMatrix.measure({after}): evaluate({j}) returned {result!r}, not a number"
+                ) from err
             if math.isnan(value):
                 raise PinError(f"AccuracyMatrix.measure({after}): evaluate({j}) returned NaN; an accuracy must be a "
                                "number (a NaN loss or an empty test set?)")

@@ -351,8 +351,9 @@ def test_shapes_come_from_masks_and_whole_tensors_without_a_module(tmp_path):
     assert torch.equal(resolved["2.weight"][0], torch.tensor([5, 47])) and torch.equal(
         resolved["2.weight"][1], torch.tensor([1.0, 2.0]))
     # Pins of one parameter that disagree on its shape, or coordinates outside it, are refused.
-    with pytest.raises(PinError, match=r"the pins on '2.weight' do not agree on its shape: .* \(3, 8\) and as \(3, 16\)"):
-        save_fault_map([pins[0], Pin("2.weight", mask=torch.ones(3, 8, dtype=torch.bool), value=0.0)], tmp_path / "x.pt")
+    other = Pin("2.weight", mask=torch.ones(3, 8, dtype=torch.bool), value=0.0)
+    with pytest.raises(PinError, match=r"the pins on '2.weight' do not agree on its shape: .* \(3, 8\) and as \(3, 16"):
+        save_fault_map([pins[0], other], tmp_path / "x.pt")
     with pytest.raises(PinError, match=r"element \(0, 20\) of '2.weight' is outside its shape \(3, 16\)"):
         save_fault_map([pins[0], Pin("2.weight", indices=[(0, 20)], value=0.0)], tmp_path / "y.pt")
 

@@ -55,7 +55,8 @@ def test_an_averaged_model_of_a_plain_loop_holds_values_stuck_bits_and_bounds(av
         broken = 0
         for step in range(6):
             g = torch.Generator().manual_seed(step)
-            nn.functional.cross_entropy(model(torch.randn(16, 4, generator=g)), torch.randint(0, 3, (16,), generator=g)).backward()
+            x, y = torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), generator=g)
+            nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
             averaged.update_parameters(model)

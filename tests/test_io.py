@@ -146,7 +146,8 @@ def test_a_one_entry_file_under_a_buffer_or_submodule_name_is_not_applied_to_ano
     entry = torch.tensor([1.0, 2.0, 3.0]) if field == "value" else torch.tensor([True, False, True])
     torch.save({key: entry}, tmp_path / "f.pt")
     before = model[0].bias.detach().clone()
-    with pytest.raises(PinError, match=rf"{field} has no entry for parameter '0.bias'; its keys are \['{key}'\], and \['{key}'\] name other"):
+    words = rf"{field} has no entry for parameter '0.bias'; its keys are \['{key}'\], and \['{key}'\] name other"
+    with pytest.raises(PinError, match=words):
         resolve([Pin("0.bias", **{field: str(tmp_path / "f.pt")})], model)
     assert torch.equal(model[0].bias.detach(), before)
     # A key that names nothing in the module still serves the one parameter, by shape.

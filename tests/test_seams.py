@@ -52,7 +52,8 @@ def test_a_value_file_keyed_by_another_parameter_is_refused(tmp_path):
     torch.save({"2.bias": torch.tensor([7.0, 8.0])}, path)
     before = _snapshot(model)
     spec = Pin("2.weight", indices=[(0, 0), (1, 1)], value=str(path))
-    with pytest.raises(PinError, match=r"value has no entry for parameter '2.weight'; its keys are \['2.bias'\], and \['2.bias'\] name other"):
+    words = r"value has no entry for parameter '2.weight'; its keys are \['2.bias'\], and \['2.bias'\] name other"
+    with pytest.raises(PinError, match=words):
         pin(model, torch.optim.SGD(model.parameters(), lr=0.1), spec)
     assert _unchanged(model, before)
 
@@ -60,7 +61,8 @@ def test_a_value_file_keyed_by_another_parameter_is_refused(tmp_path):
 def test_a_mask_dict_keyed_by_another_parameter_is_refused():
     model = _net()
     mask = {"0.bias": torch.tensor([True, False, True])}
-    with pytest.raises(PinError, match=r"mask has no entry for parameter '2.weight'; its keys are \[.*\], and .* name other parameters"):
+    words = r"mask has no entry for parameter '2.weight'; its keys are \[.*\], and .* name other parameters"
+    with pytest.raises(PinError, match=words):
         pin(model, torch.optim.SGD(model.parameters(), lr=0.1), Pin("2.weight", mask=mask))
 
 

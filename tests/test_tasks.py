@@ -595,7 +595,8 @@ def test_accuracy_matrix_names_a_row_never_measured():
 def test_accuracy_matrix_refuses_task_ids_that_skip_unless_declared():
     log = AccuracyMatrix(5)
     log.measure(1, lambda j: 0.9)
-    with pytest.raises(PinError, match=r"measure\(5\): no row was measured for task\(s\) \[2, 3, 4\].*AccuracyMatrix\(\[1, 5\]\)"):
+    words = r"measure\(5\): no row was measured for task\(s\) \[2, 3, 4\].*AccuracyMatrix\(\[1, 5\]\)"
+    with pytest.raises(PinError, match=words):
         log.measure(5, lambda j: 0.8)
     assert log.matrix[4] == [None] * 5  # nothing recorded
     declared = AccuracyMatrix([1, 5])

@@ -320,8 +320,9 @@ class PinHandle:
 
     def _frozen_element_pinned(self) -> list[tuple[str, nn.Parameter]]:
         """Element-pinned parameters without a gradient hook (frozen when the hooks were placed)."""
-        elements = {name for rp in self.engine.plan.pins for name, sel in rp.selections.items() if sel.index is not None}
-        return [(n, p) for n, p in self.engine.plan.parameters.items() if n in elements and not p.requires_grad]
+        plan = self.engine.plan
+        elements = {name for rp in plan.pins for name, sel in rp.selections.items() if sel.index is not None}
+        return [(n, p) for n, p in plan.parameters.items() if n in elements and not p.requires_grad]
 
     def _hook_unfrozen(self) -> None:
         """With the hooks per parameter: an element-pinned parameter frozen at :func:`pin` and
@@ -470,7 +471,8 @@ class PinHandle:
 
         def undo() -> None:
             if vars(averaged).get("update_parameters") is update_and_hold:
-                if update.__self__ is averaged and getattr(update, "__func__", None) is type(averaged).update_parameters:
+                method = getattr(update, "__func__", None)
+                if update.__self__ is averaged and method is type(averaged).update_parameters:
                     del vars(averaged)["update_parameters"]
                 else:
                     object.__setattr__(averaged, "update_parameters", update)  # another wrapper was there

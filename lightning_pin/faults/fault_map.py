@@ -182,7 +182,9 @@ def _recorded_shape(name: str, tensor: Optional[Tensor], where: str) -> Optional
     return tuple(int(size) for size in tensor.tolist())
 
 
-def _one_shape(name: str, parts: list[tuple[Tensor, dict[str, Tensor], Optional[tuple[int, ...]]]]) -> Optional[tuple[int, ...]]:
+def _one_shape(
+    name: str, parts: list[tuple[Tensor, dict[str, Tensor], Optional[tuple[int, ...]]]]
+) -> Optional[tuple[int, ...]]:
     """The shape the pins on ``name`` give it (None if none tells); its coordinates must fit it."""
     shapes = sorted({tuple(shape) for _, _, shape in parts if shape is not None})
     if len(shapes) > 1:
