@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_pin.core import kinds
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import PinPlan, ResolvedPin
 
@@ -42,7 +43,7 @@ def freezes_modules(rp: ResolvedPin) -> bool:
     """Whether ``rp`` can freeze modules: whole tensors at their own values, on every step of its window."""
     return (
         rp.pin.buffers
-        and rp.pin.kind == "value"  # stuck bits and bounds let the elements train: nothing is frozen
+        and kinds.for_pin(rp.pin).frozen  # other kinds (stuck bits, bounds) let the elements train
         and rp.when is None
         and bool(rp.selections)
         and all(s.index is None and s.values is None for s in rp.selections.values())

@@ -55,8 +55,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+from lightning_pin.core import kinds
 from lightning_pin.core.sharding import fill_at, is_sharded
-from lightning_pin.core.state import BITS_DTYPES
+from lightning_pin.core.kinds.stuck_bits import BITS_DTYPES
 
 __all__ = ["CompiledStep", "install", "why_not_compiled"]
 
@@ -171,7 +172,7 @@ def _pinned_fractions(plan: Any) -> dict[str, float]:
     counts: dict[str, int] = {}
     for rp in plan.pins:
         for name, selection in rp.selections.items():
-            if selection.kind == "value" and selection.index is not None:
+            if kinds.of(selection.kind).frozen and selection.index is not None:
                 counts[name] = counts.get(name, 0) + selection.index.numel()
     return {name: min(1.0, n / max(plan.parameters[name].numel(), 1)) for name, n in counts.items()}
 

@@ -29,7 +29,9 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import PinPlan, Selection, call_when
 from lightning_pin.core.layouts import _Layout
 from lightning_pin.core.parking import PARKED_VALUE, StatisticsParking
-from lightning_pin.core.projections import ExactValue, Interval, Projection, StuckBits, merge_faults
+from lightning_pin.core import kinds
+from lightning_pin.core.kinds import ExactValue, Interval, StuckBits
+from lightning_pin.core.kinds import Kind as Projection
 from lightning_pin.core.sharding import (
     LocalPart,
     Target,
@@ -82,19 +84,16 @@ class Violation:
 
     name: str
     count: int
-    #: Up to a few ``(coordinates, actual, target)`` examples. For stuck bits and bounds
+    #: Up to a few ``(coordinates, actual, target)`` examples. For kinds other than values
     #: ``target`` is a description: the bits held and stuck, or the interval.
     examples: list[tuple[tuple[int, ...], float, float | str]]
-    #: The kind of pin broken: ``"value"``, ``"stuck_bits"`` or ``"bounds"``.
+    #: The name of the kind of pin broken (see :mod:`lightning_pin.core.kinds`).
     kind: str = "value"
 
     def __str__(self) -> str:
-        if self.kind == "value":
-            shown = ", ".join(f"{c}: {a!r} != {t!r}" for c, a, t in self.examples)
-            what = "off target"
-        else:
-            shown = ", ".join(f"{c}: {a!r} ({t})" for c, a, t in self.examples)
-            what = "with stuck bits off" if self.kind == "stuck_bits" else "out of bounds"
+        kind = kinds.of(self.kind)
+        shown = ", ".join(kind.show_example(c, a, t) for c, a, t in self.examples)
+        what = kind.off_words
         more = ", ..." if self.count > len(self.examples) else ""
         return f"{self.name}: {self.count} element(s) {what} ({shown}{more})"
 
@@ -266,7 +265,7 @@ class PinEngine:
     def _activate(self, started: Sequence[int]) -> None:
         for pin_id in started:
             rp = self.plan.pins[pin_id]
-            to_capture = {name: s for name, s in rp.selections.items() if s.kind == "value" and s.values is None}
+            to_capture = {name: s for name, s in rp.selections.items() if _frozen(s) and s.values is None}
             if to_capture:
                 self.captured[pin_id] = {name: self._read(s) for name, s in to_capture.items()}
                 self._forget(pin_id)
@@ -276,13 +275,13 @@ class PinEngine:
         for projection in self.fault_projections():
             if projection.name in touched:
                 projection.apply(projection.target.parameter.data)
-        # Stuck bits and bounds leave the optimizer state alone: those elements keep training.
+        # Only the frozen kind (values) resets optimizer state: the elements of others keep training.
         step_window_pins = [i for i in started if self.plan.pins[i].when is None and self._is_value_pin(i)]
         for optimizer in self._optimizers:
             self.reset_optimizer_state(optimizer, step_window_pins)
 
     def _is_value_pin(self, pin_id: int) -> bool:
-        return self.plan.pins[pin_id].pin.kind == "value"
+        return kinds.for_pin(self.plan.pins[pin_id].pin).frozen
 
     def _forget(self, pin_id: int) -> None:
         for key in [k for k in self._targets if pin_id in k]:
@@ -309,8 +308,8 @@ class PinEngine:
         for explicit in (False, True):
             for pin_id in sorted(pin_ids):
                 for name, selection in self.plan.pins[pin_id].selections.items():
-                    if selection.kind != "value":
-                        continue  # held by a fault projection (see fault_projections)
+                    if not _frozen(selection):
+                        continue  # held by its kind's projection (see fault_projections)
                     values = selection.values if explicit else self.captured.get(pin_id, {}).get(name)
                     if (selection.values is not None) == explicit and values is not None:
                         parts.setdefault(name, []).append((pin_id, explicit, selection.index, values))
@@ -337,10 +336,10 @@ class PinEngine:
             groups: dict[tuple[str, str], list[Selection]] = {}
             for pin_id in sorted(key):
                 for name, selection in self.plan.pins[pin_id].selections.items():
-                    if selection.kind != "value":
+                    if not _frozen(selection):
                         groups.setdefault((name, selection.kind), []).append(selection)
             found = self._faults[key] = [
-                merge_faults(kind, name, self.plan.parameters[name], entries)
+                kinds.of(kind).merge(name, self.plan.parameters[name], entries)
                 for (name, kind), entries in groups.items()
             ]
         return found
@@ -702,11 +701,9 @@ class PinEngine:
                     f"shape {tuple(target.parameter.shape)}; verify the module that was trained, or resolve "
                     "the pins again on the new one"
                 )
-            if projection.kind == "stuck_bits" and tensor.dtype != target.parameter.dtype:
-                raise PinError(
-                    f"verify: {target.name!r} is {tensor.dtype} here but its stuck bits are bits of "
-                    f"{target.parameter.dtype}; verify a copy in the parameter's dtype"
-                )
+            refused = projection.refuse_copy(tensor)
+            if refused is not None:
+                raise PinError(refused)
             tensor = tensor.detach()
             actual, off, expected = projection.off(tensor)
             if bool(off.any()):
@@ -777,7 +774,7 @@ class PinEngine:
             captured = {
                 name: saved.pins[pin_id][name].target.to(device=s.parameter.device, dtype=s.parameter.dtype)
                 for name, s in self.plan.pins[pin_id].selections.items()
-                if s.kind == "value" and s.values is None and saved.pins[pin_id][name].target is not None
+                if _frozen(s) and s.values is None and saved.pins[pin_id][name].target is not None
             }
             if captured:
                 self.captured[pin_id] = captured
@@ -794,7 +791,7 @@ class PinEngine:
         if set(saved) != set(rp.selections):
             return [f"saved for parameters {sorted(saved)}, now matches {sorted(rp.selections)}"]
         for name, selection in rp.selections.items():
-            index, target = saved[name].index, saved[name].target
+            index = saved[name].index
             if (index is None) != (selection.index is None) or (
                 index is not None and not torch.equal(index, selection.index.cpu())
             ):
@@ -803,35 +800,15 @@ class PinEngine:
             if saved[name].kind != selection.kind:
                 problems.append(f"{name!r} was saved as a {saved[name].kind} pin, now is a {selection.kind} pin")
                 continue
-            if selection.kind != "value":
-                mine = _saved_selection(selection, None)
-                fields = ("stuck_at_zero", "stuck_at_one") if selection.kind == "stuck_bits" else ("low", "high")
-                for field in fields:
-                    theirs = getattr(saved[name], field)
-                    if theirs.dtype != getattr(mine, field).dtype or not torch.equal(theirs, getattr(mine, field)):
-                        problems.append(f"the saved {field} of {name!r} differ from the spec's")
-                continue
-            if target is None:
-                continue
-            if tuple(target.shape) != (tuple(selection.parameter.shape) if index is None else (index.numel(),)):
-                problems.append(f"the saved targets of {name!r} have shape {tuple(target.shape)}")
-                continue
-            stored = target.to(selection.parameter.dtype)
-            if not torch.equal(stored.to(target.dtype), target):
-                problems.append(f"the saved targets of {name!r} do not fit {selection.parameter.dtype}")
-            elif selection.values is not None and not torch.equal(stored, selection.values.cpu()):
-                problems.append(f"the explicit values for {name!r} differ from the saved ones")
+            problems.extend(kinds.of(selection.kind).saved_differs(selection, saved[name], name))
         return problems
 
 
 def _saved_selection(selection: Selection, captured: Tensor | None) -> SavedSelection:
-    """What the state saves of one selection (see :mod:`lightning_pin.core.state`)."""
-    if selection.kind == "stuck_bits":
-        return SavedSelection(
-            selection.index, None, True, "stuck_bits",
-            stuck_at_zero=selection.stuck_at_zero.cpu(), stuck_at_one=selection.stuck_at_one.cpu(),
-        )
-    if selection.kind == "bounds":
-        return SavedSelection(selection.index, None, True, "bounds", low=selection.low.cpu(), high=selection.high.cpu())
-    explicit = selection.values is not None
-    return SavedSelection(selection.index, selection.values if explicit else captured, explicit)
+    """What the state saves of one selection: its kind's saved form (see :mod:`lightning_pin.core.state`)."""
+    return kinds.of(selection.kind).saved(selection, captured)
+
+
+def _frozen(selection: Selection) -> bool:
+    """Whether the selection's elements are frozen (values: merged targets, masked gradients)."""
+    return kinds.of(selection.kind).frozen

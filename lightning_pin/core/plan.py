@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pin.core import fault_plan
+from lightning_pin.core import kinds
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
-from lightning_pin.core.spec import Pin, check_mask, check_value, coordinates, number_leaves, when_path
+from lightning_pin.core.spec import Pin, check_mask, coordinates, when_path
 
 
 @dataclasses.dataclass
@@ -46,15 +46,21 @@ class Selection:
     values: Tensor | None
     #: How the elements were chosen, for the summary ("indices", "mask", "fraction 0.05", "whole").
     how: str
-    #: Which projection holds the elements: "value" (``values``), "stuck_bits" or "bounds".
+    #: The name of the kind that holds the elements (see :mod:`lightning_pin.core.kinds`).
     kind: str = "value"
-    #: Stuck-bit masks per element (the parameter's shape for a whole tensor), in the signed
-    #: integer type of the parameter's width (int32 for float32), on the parameter's device.
-    stuck_at_zero: Tensor | None = None
-    stuck_at_one: Tensor | None = None
-    #: Bounds per element (the parameter's shape for a whole tensor), in the parameter's dtype.
-    low: Tensor | None = None
-    high: Tensor | None = None
+    #: The kind's per-element tensors by field (its ``payload_fields``: ``stuck_at_zero`` /
+    #: ``stuck_at_one`` masks, ``low`` / ``high`` bounds), one entry per element of ``index`` or
+    #: of the parameter's shape, on the parameter's device. Empty for value pins (``values``).
+    payload: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+
+    def __getattr__(self, field: str) -> Any:
+        # A payload field by name (``selection.low``); None where the kind holds no such field.
+        payload = self.__dict__.get("payload")
+        if payload is not None and field in payload:
+            return payload[field]
+        if payload is not None and any(field in kind.payload_fields for kind in kinds.KINDS):
+            return None
+        raise AttributeError(field)
 
     @property
     def count(self) -> int:
@@ -162,8 +168,7 @@ class PinPlan:
         for rp in self.pins:
             for name, selection in sorted(rp.selections.items()):
                 digest.update(name.encode())
-                faults = (selection.stuck_at_zero, selection.stuck_at_one, selection.low, selection.high)
-                for tensor in (selection.index, selection.values, *(t for t in faults if t is not None)):
+                for tensor in (selection.index, selection.values, *selection.payload.values()):
                     if tensor is None:
                         digest.update(b"-")
                     else:
@@ -198,13 +203,7 @@ class PinPlan:
 
 def _describe(rp: ResolvedPin, selection: Selection) -> str:
     pin = rp.pin
-    if selection.kind == "stuck_bits":
-        target = fault_plan.describe_bits(selection.stuck_at_zero, selection.stuck_at_one, selection.parameter.dtype)
-    elif selection.kind == "bounds":
-        target = fault_plan.describe_bounds(selection.low, selection.high)
-    else:
-        target = "current values" if selection.values is None else "explicit values"
-    parts = [selection.how, target]
+    parts = [selection.how, kinds.of(selection.kind).describe(selection)]
     if pin.start_step or pin.stop_step is not None:
         stop = "end" if pin.stop_step is None else pin.stop_step
         parts.append(f"steps {pin.start_step}..{stop}")
@@ -247,15 +246,16 @@ def resolve(
         checked = _check_when_signature(pin, when)
         selections: dict[str, Selection] = {}
         matched = _match(pin, named, aliases, warn)
+        kind = kinds.for_pin(pin)
         for name in matched:
             selection = _select(pin, name, named[name], files, matched, aliases, known)
-            user_index = selection.index
-            faults = _fault_targets(pin, selection, files, matched, aliases, known)
-            selection.values = _targets(pin, selection, files, warn, matched, aliases, known)
-            if faults is not None:
-                if user_index is not None:
-                    faults = fault_plan.sort_like_index(pin, name, user_index, faults, pin.kind.replace("_", " "))
-                _set_faults(selection, pin.kind, faults)
+
+            def read(field: str, source: Any, pin: Pin = pin, name: str = name, matched: Sequence[str] = matched) -> Any:
+                return _by_name(pin, field, name, _load(pin, field, source, files), matched, aliases, known)
+
+            # The kind sorts and dedupes the index and sets the elements' per-element payload.
+            kind.resolve(pin, selection, read, warn)
+            selection.kind = kind.kind
             if selection.index is not None:
                 selection.index = compact_index(selection.index, named[name].numel()).to(named[name].device)
             selections[name] = selection
@@ -518,134 +518,6 @@ def _clip(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-# --------------------------------------------------------------------------------------------
-# Fault models (see fault_plan)
-
-
-def _fault_targets(
-    pin: Pin,
-    selection: Selection,
-    files: dict[str, Any],
-    matched: Sequence[str],
-    aliases: Mapping[str, Sequence[str]],
-    named_names: Iterable[str] = (),
-) -> tuple[Tensor, Tensor] | None:
-    """Stuck-bit masks or bounds of ``selection``, in its (user) order; None for a value pin."""
-    name, parameter, index = selection.name, selection.parameter, selection.index
-    if pin.kind == "stuck_bits":
-        raws = []
-        for field in ("stuck_at_zero", "stuck_at_one"):
-            source = getattr(pin, field)
-            loaded = None if source is None else _load(pin, field, source, files)
-            raws.append(None if source is None else _by_name(pin, field, name, loaded, matched, aliases, named_names))
-        from_file = isinstance(pin.stuck_at_zero, (str, Path)) or isinstance(pin.stuck_at_one, (str, Path))
-        return fault_plan.stuck_masks(pin, name, parameter, index, raws[0], raws[1], from_file)
-    if pin.kind == "bounds":
-        low, high = (_by_name(pin, "bounds", name, side, matched, aliases, named_names) for side in pin.bounds)
-        return fault_plan.bounds_for(pin, name, parameter, index, low, high)
-    return None
-
-
-def _set_faults(selection: Selection, kind: str, faults: tuple[Tensor, Tensor]) -> None:
-    selection.kind = kind
-    device = selection.parameter.device
-    if kind == "stuck_bits":
-        selection.stuck_at_zero, selection.stuck_at_one = (t.to(device) for t in faults)
-    else:
-        selection.low, selection.high = (t.to(device) for t in faults)
-
-
-# --------------------------------------------------------------------------------------------
-# Target values
-
-
-def _targets(
-    pin: Pin,
-    selection: Selection,
-    files: dict[str, Any],
-    warn: Callable[[str], Any],
-    matched: Sequence[str],
-    aliases: Mapping[str, Sequence[str]],
-    named_names: Iterable[str] = (),
-) -> Tensor | None:
-    """Sort and dedupe ``selection.index`` in place, and return its explicit targets (or None)."""
-    name, parameter = selection.name, selection.parameter
-    raw = None
-    if pin.value is not None:
-        raw = _by_name(pin, "value", name, _load(pin, "value", pin.value, files), matched, aliases, named_names)
-        if isinstance(pin.value, (str, Path)):
-            # Values given in memory were checked when the Pin was built; a file's only now.
-            check_value(pin, raw, f" for {name!r}")
-    values = None if raw is None else _value_tensor(pin, selection, raw, warn)
-    if selection.index is not None:
-        order = torch.argsort(selection.index, stable=True)
-        index = selection.index[order]
-        unique, counts = torch.unique_consecutive(index, return_counts=True)
-        if values is not None:
-            values = values[order]
-            if unique.numel() != index.numel():
-                # A repeated element is fine only if every repeat asks for the same value.
-                first = values[counts.cumsum(0) - counts]
-                if not torch.equal(values, first.repeat_interleave(counts)):
-                    raise PinError(f"{pin!r}: indices repeat an element of {name!r} with different values")
-                values = first
-        selection.index = unique
-    if values is None:
-        return None
-    return _to_dtype(pin, name, values, parameter, warn)
-
-
-def _value_tensor(pin: Pin, selection: Selection, raw: Any, warn: Callable[[str], Any]) -> Tensor:
-    """Explicit values as a tensor: one per selected element (in selection order), or full shape."""
-    name, parameter = selection.name, selection.parameter
-    shape = tuple(parameter.shape)
-    count = parameter.numel() if selection.index is None else selection.index.numel()
-    if callable(raw) and not isinstance(raw, Tensor):
-        raise PinError(
-            f"{pin!r}: value for {name!r} is a generator ({type(raw).__name__}) that was never turned into "
-            "numbers; lightning_pin.app.pins.realize(pin, model) draws them, or give numbers or a tensor"
-        )
-    # Numbers (no bools, no complex, finite) or a tensor of them: see spec.check_value.
-    values = raw.detach().cpu() if isinstance(raw, Tensor) else _numbers_tensor(pin, name, raw, warn)
-    if values.ndim == 0:
-        values = values.expand(shape) if selection.index is None else values.expand(count)
-        return values.clone()
-    per_element = values.ndim == 1 and values.numel() == count
-    full_shape = tuple(values.shape) == shape
-    if selection.index is None:
-        if full_shape:
-            return values.clone()
-        if per_element:
-            return values.reshape(shape).clone()
-    elif per_element and (selection.how == "indices" or not full_shape):
-        return values.clone()
-    elif full_shape:
-        return values.reshape(-1)[selection.index].clone()
-    raise PinError(
-        f"{pin!r}: value for {name!r} has shape {tuple(values.shape)}; expected a number, {count} values "
-        f"(one per selected element) or a tensor of the parameter's shape {shape}"
-    )
-
-
-def _numbers_tensor(pin: Pin, name: str, raw: Any, warn: Callable[[str], Any]) -> Tensor:
-    """Python numbers as a tensor without losing digits: int64 if all are ints, else float64."""
-    leaves = list(number_leaves(raw))
-    try:
-        if all(_is_int(x) for x in leaves) and all(-(2**63) <= x < 2**63 for x in leaves):
-            return torch.tensor(raw, dtype=torch.int64)
-        rounded = [x for x in leaves if _is_int(x) and float(x) != x]
-        if rounded:
-            warn(
-                f"{pin!r}: integers beyond int64 in the value for {name!r} are taken as their nearest float64 "
-                f"(e.g. {_clip(rounded[0])} as {float(rounded[0])!r})"
-            )
-        return torch.tensor(raw, dtype=torch.float64)
-    except OverflowError as err:
-        raise PinError(f"{pin!r}: value for {name!r} holds numbers that overflow every float dtype: {err}") from err
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise PinError(f"{pin!r}: value for {name!r} is not a number or a numeric sequence: {err}") from err
-
-
 def check_targets_fit(plan: PinPlan, dtype: torch.dtype) -> None:
     """Check that every explicit target, stuck-bit mask and bound of a floating parameter survives a
     cast to ``dtype``, for a trainer that is about to cast the parameters (``precision="16-true"``).
@@ -655,54 +527,8 @@ def check_targets_fit(plan: PinPlan, dtype: torch.dtype) -> None:
     """
     for rp in plan.pins:
         for name, selection in rp.selections.items():
-            if selection.kind != "value" and selection.parameter.is_floating_point():
-                fault_plan.check_fits(rp.pin, name, selection, dtype)
-            if selection.values is not None and selection.parameter.is_floating_point():
-                cast = torch.empty(0, dtype=dtype, device=selection.values.device)
-                _to_dtype(rp.pin, name, selection.values, cast, lambda message: None)
-
-
-def _to_dtype(pin: Pin, name: str, values: Tensor, parameter: Tensor, warn: Callable[[str], Any]) -> Tensor:
-    """Cast targets to the parameter's dtype: reject overflow; warn when rounded.
-
-    ``values`` are finite (NaN and inf are rejected by :func:`~lightning_pin.core.spec.check_value`).
-    """
-    dtype = parameter.dtype
-    if not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool:
-        # Integer parameters (quantized weights): a cast would wrap out-of-range values around.
-        info = torch.iinfo(dtype)
-        wide = values.to(torch.float64) if values.is_floating_point() else values
-        outside = (wide < info.min) | (wide > info.max)
-        if outside.any():
-            bad = wide[outside][:3].tolist()
-            raise PinError(f"{pin!r}: values {bad} overflow {dtype} of {name!r} (range {info.min}..{info.max})")
-    if not values.is_floating_point() and not dtype.is_floating_point:
-        stored = values.to(dtype)
-    else:
-        wide = values.to(torch.float64)
-        stored = values.to(dtype)
-        if dtype.is_floating_point and not torch.isfinite(stored).all():
-            big = wide[~torch.isfinite(stored)][:3].tolist()
-            raise PinError(
-                f"{pin!r}: values {big} overflow {dtype} of {name!r} (largest finite: {torch.finfo(dtype).max:g})"
-            )
-        inexact = stored.to(torch.float64) != wide
-        if not values.is_floating_point():
-            # Integers beyond 2**53 lose digits in float64 itself: compare them exactly, in Python.
-            big = (values.abs() > 2**53).reshape(-1).nonzero().squeeze(1).tolist()
-            flat_inexact = inexact.reshape(-1)
-            for i in big:
-                flat_inexact[i] = int(stored.reshape(-1)[i].to(torch.float64).item()) != int(values.reshape(-1)[i])
-        if inexact.any():
-            first = int(inexact.reshape(-1).nonzero()[0])
-            asked = values.reshape(-1)[first].item()
-            kept = stored.reshape(-1)[first].to(torch.float64).item()
-            warn(
-                f"{pin!r}: {int(inexact.sum())} value(s) for {name!r} are not representable in {dtype}; "
-                f"pinning the nearest ones (e.g. {asked!r} is stored as {kept!r}). "
-                "Exactness is guaranteed on the stored values."
-            )
-    return stored.to(parameter.device)
+            if selection.parameter.is_floating_point():
+                kinds.of(selection.kind).check_fits(rp.pin, name, selection, dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -808,40 +634,14 @@ def _windows_overlap(a: Pin, b: Pin) -> bool:
 
 def check_conflicts(pins: Sequence[ResolvedPin]) -> None:
     """Two pins may not give one element different explicit values at times that can overlap, nor
-    faults that cannot hold together (see :func:`~lightning_pin.core.fault_plan.check_fault_conflict`)."""
+    faults that cannot hold together: each kind says what its pins may share (see
+    :func:`lightning_pin.core.kinds.check_conflict`)."""
     for i, first in enumerate(pins):
         for second in pins[i + 1 :]:
             if not _windows_overlap(first.pin, second.pin):
                 continue
             for name in first.selections.keys() & second.selections.keys():
-                a, b = first.selections[name], second.selections[name]
-                if a.kind != "value" or b.kind != "value":
-                    fault_plan.check_fault_conflict(first.pin, a, second.pin, b, name)
-                    continue
-                if a.values is None or b.values is None:
-                    continue  # an explicit value beats value=None: no conflict
-                a_at, b_at = _common(a, b)
-                differ = a_at != b_at
-                if differ.any():
-                    where = int(differ.nonzero()[0])
-                    raise PinError(
-                        f"{first.pin!r} and {second.pin!r} give {int(differ.sum())} element(s) of {name!r} "
-                        f"different values at overlapping steps (e.g. {a_at[where].item()!r} vs "
-                        f"{b_at[where].item()!r}); give each element one value or separate their step windows"
-                    )
-
-
-def _common(a: Selection, b: Selection) -> tuple[Tensor, Tensor]:
-    """Targets of ``a`` and ``b`` on the elements both select, in the same order."""
-    if a.index is None and b.index is None:
-        return a.values.reshape(-1), b.values.reshape(-1)
-    if a.index is None:
-        return a.values.reshape(-1)[b.index], b.values
-    if b.index is None:
-        return a.values, b.values.reshape(-1)[a.index]
-    in_b = torch.isin(a.index, b.index)
-    shared = a.index[in_b]
-    return a.values[in_b], b.values[torch.searchsorted(b.index, shared)]
+                kinds.check_conflict(first.pin, first.selections[name], second.pin, second.selections[name], name)
 
 
 def refuse_sparse_gradients(plan: PinPlan, module: nn.Module) -> None:

@@ -33,9 +33,6 @@ _FIELDS = (
     "params", "indices", "mask", "fraction", "seed", "value", "start_step", "stop_step", "when",
     "stuck_at_zero", "stuck_at_one", "bounds", "buffers",
 )
-#: Fields added with the fault models: fed into the fingerprint only when given, so pins that do
-#: not use them keep the fingerprints (and checkpoint state keys) of earlier releases.
-_FAULT_FIELDS = ("stuck_at_zero", "stuck_at_one", "bounds")
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -139,12 +136,11 @@ class Pin:
 
     @property
     def kind(self) -> str:
-        """``"value"``, ``"stuck_bits"`` or ``"bounds"``: which projection holds the selected elements."""
-        if self.stuck_at_zero is not None or self.stuck_at_one is not None:
-            return "stuck_bits"
-        if self.bounds is not None:
-            return "bounds"
-        return "value"
+        """The name of the pin's kind (see :mod:`lightning_pin.core.kinds`): ``"value"``, ``"stuck_bits"``,
+        ``"bounds"``: which projection holds the selected elements."""
+        from lightning_pin.core import kinds
+
+        return kinds.for_pin(self).kind
 
     def __post_init__(self) -> None:
         # Hydra hands over DictConfig / ListConfig: turn them into plain containers once, so the
@@ -185,9 +181,11 @@ class Pin:
 
         Stable across processes and runs (no ``id`` or ``hash``), so checkpoints find their state.
         """
+        from lightning_pin.core.kinds import LATER_FIELDS
+
         digest = hashlib.sha256()
         for name in _FIELDS:
-            if name in _FAULT_FIELDS and getattr(self, name) is None:
+            if name in LATER_FIELDS and getattr(self, name) is None:
                 continue
             if name == "buffers" and self.buffers is True:
                 continue  # a default added later: the fingerprints (and state keys) of older pins stay
@@ -334,184 +332,9 @@ def _check_fields(pin: Pin) -> None:
     else:
         check_value(pin, pin.value)
     when_path(pin)
-    _check_faults(pin)
+    from lightning_pin.core import kinds
 
-
-def _check_faults(pin: Pin) -> None:
-    """Stuck bits and bounds: their forms, and the combinations no element can satisfy."""
-    zero, one = pin.stuck_at_zero, pin.stuck_at_one
-    for name, raw in (("stuck_at_zero", zero), ("stuck_at_one", one)):
-        if isinstance(raw, Mapping):
-            for key, entry in raw.items():
-                check_bits(pin, name, entry, f" for {key!r}")
-        else:
-            check_bits(pin, name, raw)
-    if pin.kind == "stuck_bits" and pin.value is not None:
-        raise PinError(
-            f"{pin!r}: value and stuck bits on the same pin: a value fixes every bit of the element; give either "
-            "value= (the whole element) or stuck_at_zero= / stuck_at_one= (some of its bits)"
-        )
-    if pin.kind == "stuck_bits" and pin.bounds is not None:
-        raise PinError(
-            f"{pin!r}: stuck bits and bounds on the same pin: clamping can undo a stuck bit and a stuck bit can "
-            "leave the interval; put them on different elements (two pins)"
-        )
-    if not isinstance(zero, (Mapping, str, Path)) and not isinstance(one, (Mapping, str, Path)):
-        both = overlapping_bits(zero, one)
-        if both is not None:
-            raise PinError(
-                f"{pin!r}: stuck_at_zero and stuck_at_one overlap ({both}): a bit cannot be stuck at 0 and at 1"
-            )
-    if pin.bounds is not None:
-        check_bounds(pin, pin.bounds)
-        if pin.value is not None:
-            raise PinError(
-                f"{pin!r}: value and bounds on the same pin: a value fixes the element, bounds let it train inside "
-                "an interval; give one of them"
-            )
-
-
-def check_bits(pin: Pin, name: str, raw: Any, where: str = "") -> None:
-    """Stuck bits must be non-negative ints, sequences of them, an integer tensor, or a file path.
-
-    How wide they may be depends on the parameter's dtype: the plan checks that.
-    """
-    if raw is None or isinstance(raw, (str, Path)):
-        if isinstance(raw, (str, Path)) and where:
-            raise PinError(f"{pin!r}: {name}{where} must be ints or an integer tensor, got the path {str(raw)!r}")
-        return
-    if isinstance(raw, torch.Tensor):
-        if raw.dtype == torch.bool or raw.is_floating_point() or raw.is_complex():
-            raise PinError(
-                f"{pin!r}: {name}{where} is a {raw.dtype} tensor; bit masks are integer tensors (e.g. int64 holding "
-                "0x80000000, or the int32 view of a float32 pattern)"
-            )
-        return
-    if _is_int(raw):
-        leaves: list[Any] = [raw]
-    elif isinstance(raw, Sequence) and not isinstance(raw, bytes):
-        leaves = list(number_leaves(raw))
-        if not leaves:
-            raise PinError(f"{pin!r}: {name}{where} is an empty sequence; give one int per selected element")
-    else:
-        raise PinError(
-            f"{pin!r}: {name}{where} must be an int bit mask (e.g. 0x80000000), one int per selected element, an "
-            f"integer tensor, a dict of them by parameter name or a .pt / .safetensors path; got {_clip(raw)}"
-        )
-    odd = [x for x in leaves if not _is_int(x)]
-    if odd:
-        raise PinError(f"{pin!r}: {name}{where} must hold ints (bit masks), got {_clip(odd[0])}")
-    negative = [x for x in leaves if x < 0]
-    if negative:
-        raise PinError(
-            f"{pin!r}: {name}{where} holds negative masks {negative[:3]}: masks are read as unsigned bit patterns; "
-            f"write the sign bit of float32 as 0x80000000"
-        )
-
-
-def overlapping_bits(zero: Any, one: Any) -> str | None:
-    """A description of the first bit stuck both at 0 and 1, where it can be told without a module."""
-
-    def flat(raw: Any) -> list[int] | torch.Tensor | None:
-        if raw is None:
-            return None
-        if isinstance(raw, torch.Tensor):
-            return raw.detach().cpu().to(torch.int64).reshape(-1) if raw.dtype != torch.uint64 else None
-        if _is_int(raw):
-            return [raw]
-        return [int(x) for x in number_leaves(raw)]
-
-    a, b = flat(zero), flat(one)
-    if a is None or b is None:
-        return None
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        ta = a if isinstance(a, torch.Tensor) else torch.tensor([x & 0xFFFFFFFFFFFFFFFF for x in a]).to(torch.int64)
-        tb = b if isinstance(b, torch.Tensor) else torch.tensor([x & 0xFFFFFFFFFFFFFFFF for x in b]).to(torch.int64)
-        if ta.numel() != tb.numel() and 1 not in (ta.numel(), tb.numel()):
-            return None
-        both = ta & tb
-        hit = both != 0
-        if not bool(hit.any()):
-            return None
-        at = int(hit.to(torch.int8).argmax())
-        return f"element {at}: bits {int(both[at]) & 0xFFFFFFFFFFFFFFFF:#x}"
-    if len(a) != len(b) and 1 not in (len(a), len(b)):
-        return None
-    for at in range(max(len(a), len(b))):
-        both = a[at if len(a) > 1 else 0] & b[at if len(b) > 1 else 0]
-        if both:
-            return f"bits {both:#x}" if max(len(a), len(b)) == 1 else f"element {at}: bits {both:#x}"
-    return None
-
-
-def check_bounds(pin: Pin, bounds: Any) -> None:
-    """``bounds`` must be a ``(low, high)`` pair of numbers / sequences / tensors / dicts, no NaN, ``low <= high``."""
-    if isinstance(bounds, (str, bytes, Mapping, torch.Tensor)) or not isinstance(bounds, Sequence) or len(bounds) != 2:
-        raise PinError(
-            f"{pin!r}: bounds must be a pair (low, high), e.g. bounds=(-0.5, 0.5) or (0.0, math.inf); got "
-            f"{_clip(bounds)}"
-        )
-    for side, raw in zip(("low", "high"), bounds):
-        if isinstance(raw, Mapping):
-            for key, entry in raw.items():
-                _check_bound(pin, side, entry, f" for {key!r}")
-        else:
-            _check_bound(pin, side, raw, "")
-    low, high = bounds
-    if isinstance(low, Mapping) or isinstance(high, Mapping):
-        return
-    lo, hi = _bound_tensor(low), _bound_tensor(high)
-    if lo.numel() != hi.numel() and 1 not in (lo.numel(), hi.numel()) and lo.shape != hi.shape:
-        return  # shapes are checked against the selection by the plan
-    try:
-        wrong = lo > hi
-    except RuntimeError:
-        return
-    if bool(wrong.any()):
-        at = int(wrong.reshape(-1).to(torch.int8).argmax())
-        lo_at = lo.reshape(-1)[at if lo.numel() > 1 else 0].item()
-        hi_at = hi.reshape(-1)[at if hi.numel() > 1 else 0].item()
-        where = "" if wrong.numel() == 1 else f" at element {at}"
-        raise PinError(f"{pin!r}: bounds have low > high{where} ({lo_at} > {hi_at}); give low <= high")
-
-
-def _bound_tensor(raw: Any) -> torch.Tensor:
-    if isinstance(raw, torch.Tensor):
-        return raw.detach().cpu().to(torch.float64)
-    return torch.tensor(list(number_leaves(raw)) if not isinstance(raw, numbers.Number) else [raw], dtype=torch.float64)
-
-
-def _check_bound(pin: Pin, side: str, raw: Any, where: str) -> None:
-    what = f"bounds {side}{where}"
-    if raw is None or isinstance(raw, (str, bytes, Path)):
-        raise PinError(
-            f"{pin!r}: {what} is {_clip(raw)}; give a number, one number per selected element or a tensor "
-            f"(use math.inf / -math.inf for no {side} bound)"
-        )
-    if _is_bool(raw) or (isinstance(raw, torch.Tensor) and raw.dtype == torch.bool):
-        raise PinError(f"{pin!r}: {what} is a bool; give numbers")
-    if isinstance(raw, torch.Tensor):
-        if raw.is_complex():
-            raise PinError(f"{pin!r}: {what}: complex bounds are not supported")
-        values = raw.detach().cpu().to(torch.float64).reshape(-1)
-    elif isinstance(raw, numbers.Number) or (isinstance(raw, Sequence) and not isinstance(raw, bytes)):
-        leaves = [raw] if isinstance(raw, numbers.Number) else list(number_leaves(raw))
-        if not leaves:
-            raise PinError(f"{pin!r}: {what} is an empty sequence; give one number per selected element")
-        odd = [x for x in leaves if _is_bool(x) or not isinstance(x, numbers.Real)]
-        if odd:
-            raise PinError(f"{pin!r}: {what} must hold real numbers, got {_clip(odd[0])}")
-        values = torch.tensor([float(x) for x in leaves], dtype=torch.float64)
-    else:
-        raise PinError(f"{pin!r}: {what} must be a number, a sequence of numbers or a tensor; got {_clip(raw)}")
-    if bool(values.isnan().any()):
-        raise PinError(f"{pin!r}: {what} holds NaN; give numbers (math.inf for no bound)")
-    wrong_inf = math.inf if side == "low" else -math.inf
-    if bool((values == wrong_inf).any()):
-        raise PinError(
-            f"{pin!r}: {what} holds {wrong_inf}: no finite weight lies in such an interval; "
-            f"use {-wrong_inf} for no {side} bound"
-        )
+    kinds.check_spec(pin)  # the fields of each kind (stuck bits, bounds, ...): checked by the kind
 
 
 def _check_params(pin: Pin) -> None:

@@ -13,31 +13,34 @@ the trainer); 3 adds the fault models: each selection has a ``kind`` (``"value"`
 signed integer type of the parameter's width: int32 for float32, int16 for bfloat16 / float16,
 int64 for float64, so ``0x80000000`` is saved as ``-2**31``) and bounds (``low`` / ``high``, in the
 parameter's dtype). A version 1-2 state holds value pins only and reads as ``kind="value"``.
+
+What a selection of each kind saves beyond ``index`` / ``target`` / ``explicit`` (its
+``payload_fields``), and how it is checked when read, belongs to the kind
+(:mod:`lightning_pin.core.kinds`): this module writes and reads the envelope.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from lightning_pin.core import kinds
 from lightning_pin.core.errors import PinError
+from lightning_pin.core.kinds.base import show as _show
+from lightning_pin.core.kinds.stuck_bits import BITS_DTYPES
 
 #: The version :meth:`PinState.to_dict` writes.
 STATE_VERSION = 3
-#: The kinds of selection a state holds (one per projection, see :mod:`lightning_pin.core.projections`).
-KINDS = ("value", "stuck_bits", "bounds")
-#: The signed integer type whose bits are a float type's bits (stuck-bit masks are saved in it).
-BITS_DTYPES = {
-    torch.float64: torch.int64,
-    torch.float32: torch.int32,
-    torch.bfloat16: torch.int16,
-    torch.float16: torch.int16,
-}
+#: The kinds of selection a state holds (see :mod:`lightning_pin.core.kinds`).
+KINDS = tuple(kinds.BY_NAME)
+__all__ = [
+    "BITS_DTYPES", "CALLBACK_KEY_PREFIX", "KINDS", "STATE_VERSION", "CorruptPinState", "PinState", "SavedSelection",
+    "find_pin_states",
+]
 #: Prefix of the callback-state keys of :class:`~lightning_pin.PinCallback` in a Lightning checkpoint.
 CALLBACK_KEY_PREFIX = "PinCallback"
 
@@ -46,9 +49,19 @@ class CorruptPinState(PinError):
     """Saved pin state that cannot be read: not a dict, missing or mistyped entries, bad values."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class SavedSelection:
-    """What one pin selects in one parameter, and the targets it holds there."""
+    """What one pin selects in one parameter, and the targets it holds there.
+
+    The kind's per-element tensors are in ``payload`` and read as attributes too
+    (``saved.stuck_at_zero``, ``saved.low``); they may be given by keyword when building one.
+
+    Example::
+
+        >>> bounds = SavedSelection(None, None, True, "bounds", low=torch.zeros(2), high=torch.ones(2))
+        >>> bounds.high
+        tensor([1., 1.])
+    """
 
     #: Sorted flat row-major indices (int32 or int64), or None for the whole tensor.
     index: Optional[Tensor]
@@ -57,16 +70,32 @@ class SavedSelection:
     target: Optional[Tensor]
     #: Whether the target came from the spec (True) or was captured at activation (False).
     explicit: bool
-    #: Which projection holds the elements: ``"value"`` (``target``), ``"stuck_bits"``
-    #: (``stuck_at_zero`` / ``stuck_at_one``) or ``"bounds"`` (``low`` / ``high``).
+    #: The name of the kind that holds the elements: ``"value"`` (``target``), ``"stuck_bits"``
+    #: (``stuck_at_zero`` / ``stuck_at_one``), ``"bounds"`` (``low`` / ``high``), ...
     kind: str = "value"
-    #: Stuck-bit masks, one per index (the parameter's shape for a whole tensor), in the signed
-    #: integer type of the parameter's width (see :data:`BITS_DTYPES`).
-    stuck_at_zero: Optional[Tensor] = None
-    stuck_at_one: Optional[Tensor] = None
-    #: Bounds, one per index (the parameter's shape for a whole tensor), in the parameter's dtype.
-    low: Optional[Tensor] = None
-    high: Optional[Tensor] = None
+    #: The kind's per-element tensors by field name (its ``payload_fields``), one per index (the
+    #: parameter's shape for a whole tensor). Stuck-bit masks are in the signed integer type of
+    #: the parameter's width (see :data:`BITS_DTYPES`), bounds in the parameter's dtype.
+    payload: Mapping[str, Tensor] = dataclasses.field(default_factory=dict)
+
+    def __init__(
+        self, index: Optional[Tensor], target: Optional[Tensor], explicit: bool, kind: str = "value",
+        payload: Optional[Mapping[str, Tensor]] = None, **fields: Optional[Tensor],
+    ) -> None:
+        merged = dict(payload or {})
+        merged.update((field, tensor) for field, tensor in fields.items() if tensor is not None)
+        for field, value in (("index", index), ("target", target), ("explicit", explicit), ("kind", kind),
+                             ("payload", merged)):
+            object.__setattr__(self, field, value)
+
+    def __getattr__(self, field: str) -> Any:
+        # A payload field by name; None where the kind holds no such field.
+        payload = self.__dict__.get("payload")
+        if payload is not None and field in payload:
+            return payload[field]
+        if payload is not None and any(field in kind.payload_fields for kind in kinds.KINDS):
+            return None
+        raise AttributeError(field)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,10 +185,7 @@ def _saved_form(s: SavedSelection) -> dict[str, Any]:
         return None if tensor is None else tensor.detach().cpu().clone()
 
     form: dict[str, Any] = {"index": cpu(s.index), "target": cpu(s.target), "explicit": s.explicit, "kind": s.kind}
-    if s.kind == "stuck_bits":
-        form.update(stuck_at_zero=cpu(s.stuck_at_zero), stuck_at_one=cpu(s.stuck_at_one))
-    elif s.kind == "bounds":
-        form.update(low=cpu(s.low), high=cpu(s.high))
+    form.update((field, cpu(s.payload.get(field))) for field in kinds.of(s.kind).payload_fields)
     return form
 
 
@@ -194,46 +220,11 @@ def _read_pin(pin_id: int, entry: Any, corrupt: Any, version: int) -> dict[str, 
                 # NaN or infinity: pinning them would poison the weights for good.
                 which = "explicit" if explicit else "captured"
                 raise corrupt(f"{at}: {which} targets hold NaN or infinity, which no pin can give")
-        kind = saved.get("kind", "value") if version >= 3 else "value"
-        if kind not in KINDS:
-            raise corrupt(f"{at}: 'kind' is {kind!r}, not one of {list(KINDS)}")
-        if kind == "value":
-            if target is None and explicit:
-                raise corrupt(f"{at}: an explicit pin without a target")
-            selections[name] = SavedSelection(index, target, explicit)
-            continue
-        if target is not None or not explicit:
-            raise corrupt(f"{at}: a {kind} selection holds no target and is explicit (it comes from the spec)")
-        shape = None if index is None else (index.numel(),)
-        if kind == "stuck_bits":
-            zero, one = (_read_field(saved, key, at, shape, corrupt) for key in ("stuck_at_zero", "stuck_at_one"))
-            for key, mask in (("stuck_at_zero", zero), ("stuck_at_one", one)):
-                if mask.dtype not in BITS_DTYPES.values():
-                    raise corrupt(f"{at}: {key!r} must be an int16/int32/int64 tensor, got {_show(mask)}")
-            if zero.dtype != one.dtype or zero.shape != one.shape:
-                raise corrupt(f"{at}: 'stuck_at_zero' and 'stuck_at_one' differ in dtype or shape")
-            if bool((zero & one).any()):
-                raise corrupt(f"{at}: a bit is stuck at zero and at one")
-            selections[name] = SavedSelection(index, None, True, kind, stuck_at_zero=zero, stuck_at_one=one)
-        else:
-            low, high = (_read_field(saved, key, at, shape, corrupt) for key in ("low", "high"))
-            if low.dtype != high.dtype or low.shape != high.shape or low.dtype == torch.bool or low.is_complex():
-                raise corrupt(f"{at}: 'low' and 'high' must be real tensors of one dtype and shape")
-            if low.is_floating_point() and bool((low.isnan() | high.isnan()).any()):
-                raise corrupt(f"{at}: bounds hold NaN")
-            if bool((low > high).any()):
-                raise corrupt(f"{at}: bounds with low > high")
-            selections[name] = SavedSelection(index, None, True, kind, low=low, high=high)
+        name_of_kind = saved.get("kind", "value") if version >= 3 else "value"
+        if not isinstance(name_of_kind, str) or name_of_kind not in kinds.BY_NAME:
+            raise corrupt(f"{at}: 'kind' is {name_of_kind!r}, not one of {list(KINDS)}")
+        selections[name] = kinds.of(name_of_kind).read_saved(index, target, explicit, saved, at, corrupt)
     return selections
-
-
-def _read_field(saved: Mapping[str, Any], key: str, at: str, shape: Optional[tuple[int, ...]], corrupt: Any) -> Tensor:
-    value = saved.get(key)
-    if not isinstance(value, Tensor):
-        raise corrupt(f"{at}: {key!r} must be a tensor, got {_show(value)}")
-    if shape is not None and tuple(value.shape) != shape:
-        raise corrupt(f"{at}: {shape[0]} indices but {key!r} of shape {tuple(value.shape)}")
-    return value
 
 
 def _read_ids(raw: Any, key: str, count: int, corrupt: Any) -> frozenset[int]:
@@ -278,12 +269,3 @@ def _is_int(value: Any) -> bool:
 
 def _is_list(value: Any) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    if isinstance(value, float) and math.isnan(value):
-        return "NaN"
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"

@@ -1,0 +1,96 @@
+"""The kinds of pin, one module each, and the registry the rest of the library iterates over.
+
+A kind (:class:`~lightning_pin.core.kinds.base.Kind`) owns everything a pin of it means: the
+:class:`~lightning_pin.Pin` fields it reads and their checks, their resolution on a parameter,
+the restore kernel, drift and ``off`` (for ``verify()``, the monitor and ``lightning-pin check`` /
+``diff`` on stored tensors), its saved form in the pin state, its conflicts with other pins on
+one element, and its words in summaries and errors. The engine, the plan, the state, the
+fault maps and the reporting ask the kind of a selection (:func:`of`) and never test a kind's
+name.
+
+A new kind is one module here (a subclass of ``Kind``) plus one line in :data:`KINDS`.
+
+Example::
+
+    >>> from lightning_pin import Pin
+    >>> for_pin(Pin("fc.weight", stuck_at_one=0x40000000)).words
+    'stuck bits'
+    >>> of("bounds").payload_fields
+    ('low', 'high')
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning_pin.core.errors import PinError
+from lightning_pin.core.kinds._common import shared_positions
+from lightning_pin.core.kinds.base import Kind, Unreadable
+from lightning_pin.core.kinds.interval import Interval
+from lightning_pin.core.kinds.stuck_bits import StuckBits
+from lightning_pin.core.kinds.value import ExactValue
+
+if TYPE_CHECKING:
+    from lightning_pin.core.spec import Pin
+
+#: Every kind, in the order a pin's fields are checked and its kind is found; the first is the
+#: default (a pin with none of the others' fields).
+KINDS: tuple[type[Kind], ...] = (
+    ExactValue,
+    StuckBits,
+    Interval,
+)
+#: The kinds by name.
+BY_NAME: dict[str, type[Kind]] = {kind.kind: kind for kind in KINDS}
+#: The kind of a pin that gives none of the other kinds' fields.
+DEFAULT = KINDS[0]
+#: Pin fields of the kinds added after the first release: fingerprinted only when given, so pins
+#: that do not use them keep the fingerprints (and checkpoint state keys) of earlier releases.
+LATER_FIELDS = tuple(field for kind in KINDS[1:] for field in kind.pin_fields)
+
+
+def of(name: str) -> type[Kind]:
+    """The kind called ``name`` (a selection's, a saved selection's ``kind``)."""
+    return BY_NAME[name]
+
+
+def for_pin(pin: Pin) -> type[Kind]:
+    """The kind of ``pin``: the first kind (after the default) whose fields it gives."""
+    return next((kind for kind in KINDS[1:] if kind.claims(pin)), DEFAULT)
+
+
+def check_spec(pin: Pin) -> None:
+    """Every kind's checks of ``pin``'s fields, in registry order (at construction)."""
+    for kind in KINDS:
+        kind.check_spec(pin)
+
+
+def check_conflict(first: Pin, a: Any, second: Pin, b: Any, name: str) -> None:
+    """Two pins on one parameter at overlapping steps: the same kind decides what its pins may
+    share; two kinds may share no element (each would undo the other).
+
+    Raises:
+        PinError: naming both pins, the parameter and an element.
+    """
+    kind_a, kind_b = of(a.kind), of(b.kind)
+    if kind_a is kind_b:
+        kind_a.check_overlap(first, a, second, b, name)
+        return
+    a_pos, _ = shared_positions(a.index, b.index, a.parameter.numel())
+    if a_pos.numel() == 0:
+        return
+    import torch
+
+    flat = a_pos if a.index is None else a.index.cpu().long()[a_pos]
+    coords = tuple(int(c) for c in torch.unravel_index(torch.tensor(int(flat[0])), tuple(a.parameter.shape)))
+    reason = next(kind.mixed_reason for kind in KINDS if kind in (kind_a, kind_b) and kind.mixed_reason)
+    raise PinError(
+        f"{first!r} and {second!r} put {kind_a.words} and {kind_b.words} on {a_pos.numel()} element(s) of {name!r} at "
+        f"overlapping steps (e.g. {coords}): " + reason + "select disjoint elements or separate their step windows"
+    )
+
+
+__all__ = [
+    "BY_NAME", "DEFAULT", "KINDS", "LATER_FIELDS", "ExactValue", "Interval", "Kind", "StuckBits", "Unreadable",
+    "check_conflict", "check_spec", "for_pin", "of",
+]

@@ -1,0 +1,284 @@
+"""What every pin kind is: :class:`Kind`, the interface the rest of the library calls.
+
+A kind is one class (one module of :mod:`lightning_pin.core.kinds`). Its class methods say what
+the kind means wherever a pin of it goes: which :class:`~lightning_pin.Pin` fields it reads and
+their checks (at construction), how those fields resolve on a parameter into a per-element
+payload, the summary's words, its conflicts with other pins on one element, its saved form in
+the pin state, and how a stored tensor (a checkpoint, an export) is compared with it. An
+instance is the restore kernel of one parameter's elements under active pins of the kind: a
+*projection* onto the set the pins allow, sync-free, with :meth:`Kind.drift` and
+:meth:`Kind.off` for the monitor and ``verify()``.
+
+Nothing here imports the plan, the engine or Lightning: ``lightning-pin check`` / ``diff``
+(:mod:`lightning_pin.reporting`) ask the kinds about stored tensors too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_pin.core.sharding import Target, copy_at, wide_index
+
+if TYPE_CHECKING:
+    from lightning_pin.core.plan import Selection
+    from lightning_pin.core.spec import Pin
+    from lightning_pin.core.state import SavedSelection
+
+#: ``read(field, source)``: ``source`` (a Pin field) for the parameter being resolved: a file it
+#: names is loaded, a dict by parameter name gives this parameter's entry (see the plan).
+Reader = Callable[[str, Any], Any]
+#: ``expected(position)``: what element ``position`` of a comparison must hold (a number, or words).
+Expected = Callable[[int], "float | str"]
+
+
+class Unreadable(Exception):
+    """A stored tensor in which a kind cannot be checked (its words are of another width)."""
+
+    def __init__(self, what: str, word: str) -> None:
+        super().__init__(f"{what} of {word}")
+        #: What cannot be read ("stuck bits"), and what it needs ("a 32-bit word").
+        self.what, self.word = what, word
+
+
+class Kind:
+    """One kind of pin: what it means everywhere (class methods) and its restore kernel (instances).
+
+    An instance holds a :class:`~lightning_pin.core.sharding.Target`: the merged elements of one
+    parameter and a per-element payload, so the kernels are index based, sync-free and work on
+    dense, permuted and sharded tensors alike through :meth:`Target.part`.
+    """
+
+    #: The kind's name: in the pin state, :attr:`Pin.kind` and selections (``"value"``, ``"bounds"``).
+    kind: ClassVar[str]
+    #: The kind in a sentence about two pins: "a value", "stuck bits", "bounds".
+    words: ClassVar[str]
+    #: What elements that break it are, in ``verify()``: "off target", "out of bounds".
+    off_words: ClassVar[str]
+    #: The :class:`~lightning_pin.Pin` fields the kind reads: a pin giving any of them is of this kind.
+    pin_fields: ClassVar[tuple[str, ...]] = ()
+    #: Names of the per-element tensors a resolved selection holds (``Selection.payload``, the
+    #: saved ``SavedSelection.payload``), in the order they are fingerprinted and saved.
+    payload_fields: ClassVar[tuple[str, ...]] = ()
+    #: True for the kind whose elements are frozen: their gradients are masked, their optimizer
+    #: statistics zeroed, their targets merged with those of other such pins (and captured for
+    #: ``value=None``). Other kinds leave gradients and statistics alone: their elements train.
+    frozen: ClassVar[bool] = False
+    #: Why this kind and another cannot share an element, when this kind is the reason (the
+    #: first kind of the registry with a reason gives it).
+    mixed_reason: ClassVar[str] = ""
+
+    # ------------------------------------------------------------------------------------
+    # The spec (no model)
+
+    @classmethod
+    def claims(cls, pin: Pin) -> bool:
+        """Whether ``pin`` is of this kind: it gives one of the kind's fields."""
+        return any(getattr(pin, field) is not None for field in cls.pin_fields)
+
+    @classmethod
+    def check_spec(cls, pin: Pin) -> None:
+        """Refuse, with a :class:`~lightning_pin.PinError`, what is wrong in the kind's fields
+        without a model (forms, ranges, fields of other kinds on the same pin)."""
+
+    # ------------------------------------------------------------------------------------
+    # The plan (one parameter)
+
+    @classmethod
+    def resolve(cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any]) -> None:
+        """Resolve the kind's fields on ``selection``'s parameter: sort and dedupe
+        ``selection.index`` and set its per-element payload (in the sorted order).
+
+        Raises:
+            PinError: what the parameter cannot honour.
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def describe(cls, selection: Selection) -> str:
+        """The summary's words for what the selection holds ("explicit values", "bounds [0, 1]")."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_fits(cls, pin: Pin, name: str, selection: Selection, dtype: torch.dtype) -> None:
+        """Check that ``selection`` still holds once its floating parameter is cast to ``dtype``."""
+
+    @classmethod
+    def check_overlap(cls, first: Pin, a: Selection, second: Pin, b: Selection, name: str) -> None:
+        """Two pins of this kind on one parameter at overlapping steps: refuse what cannot hold together."""
+
+    @classmethod
+    def merge(cls, name: str, parameter: torch.nn.Parameter, entries: Sequence[Selection]) -> Kind:
+        """One projection for the selections ``entries`` of one parameter (runs when the set of
+        active pins changes; it may sync). The frozen kind's targets are merged by the engine."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------
+    # The pin state (see lightning_pin.core.state)
+
+    @classmethod
+    def saved(cls, selection: Selection, captured: Optional[Tensor]) -> SavedSelection:
+        """What the pin state saves of ``selection`` (``captured``: the frozen kind's captured targets)."""
+        from lightning_pin.core.state import SavedSelection
+
+        payload = {field: selection.payload[field].cpu() for field in cls.payload_fields}
+        return SavedSelection(selection.index, None, True, cls.kind, payload=payload)
+
+    @classmethod
+    def read_saved(
+        cls, index: Optional[Tensor], target: Any, explicit: bool, saved: Mapping[str, Any], at: str,
+        corrupt: Callable[[str], Exception],
+    ) -> SavedSelection:
+        """Read one saved selection of this kind (``index``, ``target`` and ``explicit`` are checked).
+
+        Raises:
+            CorruptPinState: through ``corrupt``, naming ``at`` and what is wrong.
+        """
+        from lightning_pin.core.state import SavedSelection
+
+        if target is not None or not explicit:
+            raise corrupt(f"{at}: a {cls.kind} selection holds no target and is explicit (it comes from the spec)")
+        shape = None if index is None else (index.numel(),)
+        payload = {field: read_field(saved, field, at, shape, corrupt) for field in cls.payload_fields}
+        cls.check_saved(payload, at, corrupt)
+        return SavedSelection(index, None, True, cls.kind, payload=payload)
+
+    @classmethod
+    def check_saved(cls, payload: Mapping[str, Tensor], at: str, corrupt: Callable[[str], Exception]) -> None:
+        """Refuse a saved payload no spec of the kind can give."""
+
+    @classmethod
+    def saved_differs(cls, selection: Selection, saved: SavedSelection, name: str) -> list[str]:
+        """Why ``saved`` (same elements, same kind) is not what ``selection`` holds now, if it is not."""
+        problems = []
+        for field in cls.payload_fields:
+            mine, theirs = selection.payload[field].cpu(), saved.payload[field]
+            if theirs.dtype != mine.dtype or not torch.equal(theirs, mine):
+                problems.append(f"the saved {field} of {name!r} differ from the spec's")
+        return problems
+
+    # ------------------------------------------------------------------------------------
+    # Stored tensors (check / diff on files: no engine)
+
+    @classmethod
+    def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
+        """``(off, expected)`` for the elements ``values`` (flat, in the selection's order) of a
+        stored tensor: which break the saved selection, and what element ``i`` must hold.
+
+        Raises:
+            Unreadable: the stored tensor cannot be checked for this kind (a word of another width).
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def stored_dtype(cls, saved: SavedSelection) -> Optional[torch.dtype]:
+        """The parameter's dtype, if the saved selection tells it (stuck-bit masks do not)."""
+        return None
+
+    # ------------------------------------------------------------------------------------
+    # Words
+
+    @classmethod
+    def show_example(cls, coords: tuple[int, ...], actual: Any, expected: Any) -> str:
+        """One element in a violation: ``(0, 1): 2.0 (bounds [0, 1])``."""
+        return f"{coords}: {actual!r} ({expected})"
+
+    # ------------------------------------------------------------------------------------
+    # The restore kernel (an instance: one parameter's elements under the active pins)
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self._split: dict[tuple[int, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
+        self._scratch: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    @property
+    def name(self) -> str:
+        """The parameter's name."""
+        return self.target.name
+
+    @property
+    def elements(self) -> int:
+        """How many elements the projection holds (from shapes only: no sync)."""
+        raise NotImplementedError
+
+    def apply(self, tensor: Tensor) -> None:
+        """Project ``tensor`` (the parameter's data, or a copy of the weights) in place."""
+        raise NotImplementedError
+
+    def drift(self, tensor: Tensor) -> Tensor:
+        """``|x - P(x)|`` of the elements, flat, in float32 or wider (0 where they hold)."""
+        raise NotImplementedError
+
+    def off(self, tensor: Tensor) -> tuple[Tensor, Tensor, Expected]:
+        """``(actual, off, expected)``: the elements of ``tensor`` (flat), where they break the
+        pin, and ``expected(position)``: what element ``position`` must hold (a target value, or
+        in words the stuck bits or the interval). Nothing is kept once the result is dropped."""
+        raise NotImplementedError
+
+    def refuse_copy(self, tensor: Tensor) -> Optional[str]:
+        """Why ``verify`` cannot check this kind on ``tensor`` (a copy in another dtype), or None."""
+        return None
+
+    def _elements(self, tensor: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+        """``(view, positions, payload, actual)``: :meth:`Target.part` plus the elements, flat."""
+        view, positions, payload = self.target.part(tensor)
+        actual = view.reshape(-1) if positions is None else view.index_select(0, positions)
+        return view, positions, payload, actual
+
+    def _update_at(self, flat: Tensor, positions: Tensor, update: Callable[[Tensor], object]) -> None:
+        """``flat[positions] = update(flat[positions])`` with ``update`` working in place on a
+        gathered copy: three kernels and, in steady state, no allocation and no index conversion
+        (the gathered elements live in a scratch buffer kept per dtype and device)."""
+        positions = positions.to(flat.device)
+        wide = wide_index(positions)
+        if wide is None:  # too many elements to keep a second index: the general path
+            gathered = flat.index_select(0, positions)
+            update(gathered)
+            copy_at(flat, positions, gathered)
+            return
+        key = (flat.dtype, flat.device)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.numel() != wide.numel():
+            scratch = self._scratch[key] = torch.empty(wide.numel(), dtype=flat.dtype, device=flat.device)
+        torch.index_select(flat, 0, wide, out=scratch)
+        update(scratch)
+        flat.index_copy_(0, wide, scratch)
+
+    def _halves(self, payload: Tensor, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The two halves of a paired payload (last dimension 2), contiguous, on ``device``.
+
+        Split once per payload (a shard has its own) and device, then reused at every step.
+        """
+        key = (id(payload), device)
+        cached = self._split.get(key)
+        if cached is None or cached[0] is not payload:
+            first, second = (payload[..., i].contiguous().to(device=device, dtype=dtype) for i in (0, 1))
+            cached = self._split[key] = (payload, first, second)
+        return cached[1], cached[2]
+
+
+def read_field(
+    saved: Mapping[str, Any], key: str, at: str, shape: Optional[tuple[int, ...]], corrupt: Callable[[str], Exception]
+) -> Tensor:
+    """A per-element tensor of a saved selection, checked to be a tensor with one entry per index."""
+    value = saved.get(key)
+    if not isinstance(value, Tensor):
+        raise corrupt(f"{at}: {key!r} must be a tensor, got {show(value)}")
+    if shape is not None and tuple(value.shape) != shape:
+        raise corrupt(f"{at}: {shape[0]} indices but {key!r} of shape {tuple(value.shape)}")
+    return value
+
+
+def show(value: Any) -> str:
+    """A value in a corrupt-state message: tensors by dtype and shape, others clipped."""
+    import math
+
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
