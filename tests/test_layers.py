@@ -60,6 +60,40 @@ def test_front_door_imports_no_lightning():
     assert [m for m in loaded if m.startswith("torch.distributed.tensor") or m == "sympy"] == []
 
 
+def _runtime_imports(path: Path) -> set[str]:
+    """Modules a file imports when it runs: every import but those under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text())
+    hints = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        for inner in ast.walk(node)
+    }
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in hints:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_kinds_import_nothing_reporting_may_not():
+    # check / diff (reporting) compare stored tensors by asking the kinds (core/kinds), so the
+    # kinds may import neither the plan nor the engine (nor what sits on them), hints aside.
+    above = ("lightning_pin.core.plan", "lightning_pin.core.engine", "lightning_pin.core.handle",
+             "lightning_pin.core.buffers", "lightning_pin.core.compiled_step", "lightning_pin.callbacks",
+             "lightning_pin.app", "lightning_pin.reporting", *LIGHTNING)
+    offending = {
+        str(path.relative_to(PACKAGE)): sorted(n for n in _runtime_imports(path) if any(n == f or n.startswith(f + ".")
+                                                                                        for f in above))
+        for path in sorted((PACKAGE / "core" / "kinds").rglob("*.py"))
+    }
+    assert offending and {f: n for f, n in offending.items() if n} == {}
+
+
 def test_lightning_layer_loads_on_first_use():
     loaded = _modules_after("from lightning_pin import PinCallback, PinMonitor")
     assert "lightning.pytorch" in loaded and "lightning_pin.callbacks.pin_callback" in loaded

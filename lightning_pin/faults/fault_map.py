@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -12,15 +11,22 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_pin.core import kinds
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TensorFileError, load_tensors
 from lightning_pin.core.plan import resolve
+from lightning_pin.core.kinds.stuck_bits import unsigned
 from lightning_pin.core.spec import Pin
 from lightning_pin.faults._common import FaultPins, coordinates, exact_name, exact_pattern, finish
 
 
-#: What a fault-map key after ``<parameter name>:`` may say, and what marks a healthy element there.
-FIELDS = {"value": math.nan, "stuck_at_zero": 0, "stuck_at_one": 0, "low": -math.inf, "high": math.inf}
+#: What a fault-map key after ``<parameter name>:`` may say, and what marks a healthy element there:
+#: each kind's fields (see :attr:`lightning_pin.core.kinds.base.Kind.map_fields`).
+FIELDS = {field: healthy for kind in kinds.KINDS for field, healthy in kind.map_fields.items()}
+#: The kind each field belongs to.
+_KIND_OF = {field: kind for kind in kinds.KINDS for field in kind.map_fields}
+#: The field of a bare parameter-name key (older maps: it holds stuck values).
+_BARE = next(iter(kinds.DEFAULT.map_fields))
 #: The key suffix of the (optional) coordinates of the elements the other fields describe.
 INDICES = "indices"
 #: The key suffix of the (optional) shape of the parameter, as int64 sizes: a map is refused on a
@@ -155,7 +161,7 @@ def load_fault_map(path: PathLike) -> FaultPins:
     for key, tensor in raw.items():
         name, field = _split_key(key, where)
         if field in grouped.setdefault(name, {}):
-            raise PinError(f"{where}: {name!r} has its stuck values twice (as {name!r} and {name + ':value'!r})")
+            raise PinError(f"{where}: {name!r} has its stuck values twice (as {name!r} and {name + ':' + _BARE!r})")
         grouped[name][field] = tensor
     pins, lines, faulty, shapes = [], [], {}, {}
     for name, fields in grouped.items():
@@ -214,7 +220,7 @@ def _check_inside(coords: Tensor, shape: tuple[int, ...], message: str) -> None:
 def _split_key(key: str, where: str) -> tuple[str, str]:
     name, sep, field = key.rpartition(":")
     if not sep:
-        return key, "value"  # the older maps: the bare parameter name holds stuck values
+        return key, _BARE  # the older maps: the bare parameter name holds stuck values
     if field not in FIELDS and field not in (INDICES, SHAPE):
         raise PinError(
             f"{where}: key {key!r} ends in {field!r}; a key is a parameter name or 'name:field' with field one of "
@@ -244,22 +250,16 @@ def _pins_from_fields(
         expected = recorded
     for field, tensor in fields.items():
         shape = tuple(tensor.shape)
-        if field.startswith("stuck") and (tensor.is_floating_point() or tensor.dtype == torch.bool):
+        bits = _KIND_OF[field].map_bits
+        if bits and (tensor.is_floating_point() or tensor.dtype == torch.bool):
             raise PinError(f"{where}: {name}:{field} must hold integer bit patterns, got {_show(tensor)}")
-        if not field.startswith("stuck") and not tensor.is_floating_point():
+        if not bits and not tensor.is_floating_point():
             tensor = fields[field] = tensor.to(torch.float64)
         if expected is None:
             expected = shape
         elif shape != expected:
             per = "one entry per row of indices" if coords is not None else "the parameter's shape, like the others"
             raise PinError(f"{where}: {name}:{field} has shape {shape}; expected {expected} ({per})")
-
-    def faulty(field: str) -> Optional[Tensor]:
-        tensor = fields.get(field)
-        if tensor is None:
-            return None
-        healthy = FIELDS[field]
-        return ~tensor.isnan() if field == "value" else tensor != healthy
 
     def select(chosen: Tensor) -> dict[str, Any]:
         if flat is not None:  # a mask of the recorded shape: a parameter of another shape is refused
@@ -272,29 +272,14 @@ def _pins_from_fields(
 
     pins, parts, every = [], [], None
     pattern = exact_pattern(name)
-    stuck_value = faulty("value")
-    if stuck_value is not None and bool(stuck_value.any()):
-        pins.append(Pin(pattern, value=fields["value"][stuck_value], **select(stuck_value)))
-        count = int(stuck_value.sum())
-        parts.append(f"{count:,} stuck value{'s' if count != 1 else ''}")
-    zero, one = faulty("stuck_at_zero"), faulty("stuck_at_one")
-    bits = zero if one is None else one if zero is None else zero | one
-    if bits is not None and bool(bits.any()):
-        masks = {f: fields[f][bits] for f in ("stuck_at_zero", "stuck_at_one") if f in fields}
-        pins.append(Pin(pattern, **masks, **select(bits)))
-        parts.append(f"{int(bits.sum()):,} with stuck bits")  # elements
-    low, high = faulty("low"), faulty("high")
-    bounded = low if high is None else high if low is None else low | high
-    if bounded is not None and bool(bounded.any()):
-        pair = tuple(
-            fields[f][bounded] if f in fields else torch.full((int(bounded.sum()),), FIELDS[f], dtype=torch.float64)
-            for f in ("low", "high")
-        )
-        pins.append(Pin(pattern, bounds=pair, **select(bounded)))
-        parts.append(f"{int(bounded.sum()):,} bounded")
-    for marked in (stuck_value, bits, bounded):
-        if marked is not None:
-            every = marked if every is None else every | marked
+    for kind in kinds.KINDS:  # one pin per kind the map marks, in registry order
+        marked = kind.map_marked(fields)
+        if marked is None:
+            continue
+        every = marked if every is None else every | marked
+        if bool(marked.any()):
+            pins.append(kind.map_pin(pattern, fields, marked, select(marked)))
+            parts.append(kind.map_summary(int(marked.sum())))
     count = 0 if every is None else int(every.sum())
     return pins, f"{name}: {', '.join(parts) if parts else 'no fault'}", count
 
@@ -331,27 +316,9 @@ def _resolved_entries(
             flat = torch.arange(parameter.numel()) if selection.index is None else selection.index.cpu().long()
             coords = coordinates(flat, tuple(parameter.shape))
 
-            def per_element(tensor: Tensor) -> Tensor:
-                return tensor.detach().cpu().reshape(-1)  # one per element of `flat`, in its order
-
-            if selection.kind == "stuck_bits":
-                fields = {f: _unsigned(per_element(getattr(selection, f))) for f in ("stuck_at_zero", "stuck_at_one")}
-            elif selection.kind == "bounds":
-                fields = {f: per_element(getattr(selection, f)).to(torch.float64) for f in ("low", "high")}
-            else:
-                values = selection.values
-                if values is None:  # value=None: the elements are stuck at what they hold now
-                    values = parameter.reshape(-1)[flat.to(parameter.device)]
-                fields = {"value": per_element(values)}
+            fields = kinds.of(selection.kind).map_entries(selection, flat)  # one per element of `flat`
             found.append((name, coords, fields, tuple(parameter.shape)))
     return found
-
-
-def _unsigned(mask: Tensor) -> Tensor:
-    """Bit masks as int64 patterns: the signed view of a 16- / 32-bit word as the unsigned pattern it stands for."""
-    if mask.dtype in (torch.int16, torch.int32):
-        return mask.to(torch.int64) & ((1 << (8 * mask.element_size())) - 1)
-    return mask.to(torch.int64)
 
 
 def _static(pin: Pin) -> None:
@@ -378,20 +345,10 @@ def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor], Optional[tup
         raise PinError(
             f"save_fault_map: {pin!r}: fraction needs a module to resolve: save_fault_map(pins, path, module=model)"
         )
-    for field in ("indices", "mask", "value", "stuck_at_zero", "stuck_at_one", "bounds"):
+    for field in ("indices", "mask", *(f for kind in kinds.KINDS for f in kind.pin_fields)):
         if isinstance(getattr(pin, field), (str, Path, Mapping)):
             raise PinError(f"save_fault_map: {pin!r}: {field} must be given in memory (tensors or numbers) to be saved")
-    kind = pin.kind
-    if kind == "value" and pin.value is None:
-        raise PinError(
-            f"save_fault_map: {pin!r} has no value (value=None keeps what the weights hold when it activates): "
-            "save_fault_map(pins, path, module=model) saves what they hold now"
-        )
-    given = {
-        "value": {"value": pin.value},
-        "stuck_bits": {"stuck_at_zero": pin.stuck_at_zero, "stuck_at_one": pin.stuck_at_one},
-        "bounds": dict(zip(("low", "high"), pin.bounds or (None, None))),
-    }[kind]
+    given = kinds.for_pin(pin).map_given(pin)
     if pin.indices is not None:
         coords = torch.as_tensor(pin.indices).to(torch.int64)
         coords = coords.unsqueeze(1) if coords.ndim == 1 else coords
@@ -421,7 +378,7 @@ def _per_element(pin: Pin, field: str, raw: Any, coords: Tensor, full: Optional[
     Read as the plan reads it: a number for every element, one entry per selected element, or a
     tensor of the parameter's shape.
     """
-    bits = field.startswith("stuck")
+    bits = _KIND_OF[field].map_bits
     try:
         tensor = raw.detach().cpu() if isinstance(raw, Tensor) else torch.tensor(raw, dtype=torch.float64)
         if bits and not isinstance(raw, Tensor):
@@ -429,7 +386,7 @@ def _per_element(pin: Pin, field: str, raw: Any, coords: Tensor, full: Optional[
     except (TypeError, ValueError, RuntimeError, OverflowError) as err:
         raise PinError(f"save_fault_map: {pin!r}: {field} is not numbers: {err}") from err
     if bits:
-        tensor = _unsigned(tensor)
+        tensor = unsigned(tensor)
     elif not tensor.is_floating_point():
         tensor = tensor.to(torch.float64)
     count = coords.shape[0]
@@ -460,59 +417,26 @@ def _merge(name: str, parts: list[tuple[Tensor, dict[str, Tensor]]]) -> dict[str
     if len(ndims) > 1:
         raise PinError(f"save_fault_map: the pins on {name!r} give coordinates of {sorted(ndims)} dimensions")
     cells, inverse = torch.unique(torch.cat([coords for coords, _ in parts]), dim=0, return_inverse=True)
-    # Stuck values keep the pins' dtype (float32 values stay float32), widened to hold them all.
-    dtypes = {"stuck_at_zero": torch.int64, "stuck_at_one": torch.int64, "low": torch.float64, "high": torch.float64}
-    values = [fields["value"].dtype for _, fields in parts if "value" in fields]
-    if values:
-        dtypes["value"] = functools.reduce(torch.promote_types, values)
+    given: dict[str, list[Tensor]] = {}
+    for _, fields in parts:
+        for field, tensor in fields.items():
+            given.setdefault(field, []).append(tensor)
+    dtypes = {field: _KIND_OF[field].map_dtype(field, tensors) for field, tensors in given.items()}
+
+    def element(row: int) -> str:
+        return f"element {tuple(cells[row].tolist())} of {name!r}"
+
     merged: dict[str, Tensor] = {}
     start = 0
     for coords, fields in parts:
         at = inverse[start : start + coords.shape[0]]
         start += coords.shape[0]
-        for field, given in fields.items():
+        for field, entries in fields.items():
             target = merged.setdefault(field, torch.full((cells.shape[0],), FIELDS[field], dtype=dtypes[field]))
-            _merge_field(name, field, target, at, given.to(dtypes[field]), cells)
-    zero, one = merged.get("stuck_at_zero"), merged.get("stuck_at_one")
-    if zero is not None and one is not None and bool((zero & one).any()):
-        at = int((zero & one).ne(0).to(torch.int8).argmax())
-        raise PinError(
-            f"save_fault_map: element {tuple(cells[at].tolist())} of {name!r} has bits {int(zero[at] & one[at]):#x} "
-            "stuck at zero and at one"
-        )
-    if "low" in merged and "high" in merged and bool((merged["low"] > merged["high"]).any()):
-        at = int((merged["low"] > merged["high"]).to(torch.int8).argmax())
-        raise PinError(
-            f"save_fault_map: the bounds of element {tuple(cells[at].tolist())} of {name!r} do not overlap "
-            f"({merged['low'][at].item()} > {merged['high'][at].item()})"
-        )
+            _KIND_OF[field].map_merge(element, field, target, at, entries.to(dtypes[field]))
+    for kind in kinds.KINDS:
+        kind.map_check(merged, element)
     return {f"{name}:{INDICES}": cells, **{f"{name}:{field}": tensor for field, tensor in merged.items()}}
-
-
-def _merge_field(name: str, field: str, target: Tensor, at: Tensor, given: Tensor, cells: Tensor) -> None:
-    """Merge one pin's entries into ``target`` at rows ``at``: values must agree, bits are OR-ed,
-    bounds intersected (``at`` may repeat a row: a pin can list an element twice)."""
-    if field == "low":
-        target.scatter_reduce_(0, at, given, reduce="amax")
-        return
-    if field == "high":
-        target.scatter_reduce_(0, at, given, reduce="amin")
-        return
-    order = torch.argsort(at, stable=True)
-    at, given = at[order], given[order]
-    _, run, counts = torch.unique_consecutive(at, return_inverse=True, return_counts=True)
-    rank = torch.arange(at.numel()) - (counts.cumsum(0) - counts)[run]
-    for r in range(int(counts.max()) if counts.numel() else 0):  # rounds of distinct rows
-        rows, entries = at[rank == r], given[rank == r]
-        if field == "value":
-            before = target[rows]
-            clash = ~before.isnan() & (before != entries)
-            if bool(clash.any()):
-                cell = tuple(cells[rows[clash.to(torch.int8).argmax()]].tolist())
-                raise PinError(f"save_fault_map: element {cell} of {name!r} is given two different stuck values")
-            target[rows] = entries
-        else:
-            target[rows] = target[rows] | entries
 
 
 def _show(tensor: Tensor) -> str:

@@ -35,11 +35,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_pin.core.bitwords import describe_stuck
+from lightning_pin.core import kinds
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
 from lightning_pin.core.state import PinState, SavedSelection, find_pin_states
-from lightning_pin.reporting.compare import bounds_off, differs, stuck_bits_off
+from lightning_pin.reporting.compare import differs
 
 #: Suffixes :func:`check_artifacts` reads as artifacts.
 ARTIFACT_SUFFIXES = (".onnx",) + TENSOR_FILE_SUFFIXES
@@ -296,14 +296,14 @@ def _unchecked(state: PinState) -> dict[int, str]:
     for pin_id, selections in enumerate(state.pins):
         if pin_id not in state.checked_pins:
             reasons[pin_id] = "not active at the last optimizer step"
-        elif all(s.kind == "value" and s.target is None for s in selections.values()):
+        elif all(kinds.of(s.kind).frozen and s.target is None for s in selections.values()):
             reasons[pin_id] = "no saved target (a value=None pin that never activated)"
     return reasons
 
 
 #: Per parameter: (pin id, flat index or None for the whole tensor, target), lowest priority first.
 _Entries = list[tuple[int, Optional[Tensor], Tensor]]
-#: Per parameter: (pin id, saved selection) of each checked stuck-bit or bounds pin.
+#: Per parameter: (pin id, saved selection) of each checked pin of another kind (stuck bits, bounds, ...).
 _Faults = list[tuple[int, SavedSelection]]
 
 
@@ -313,7 +313,7 @@ def _parameters(state: PinState) -> dict[str, tuple[_Entries, _Faults]]:
     faults: dict[str, _Faults] = {}
     for pin_id in sorted(state.checked_pins):
         for name, selection in state.pins[pin_id].items():
-            if selection.kind != "value":
+            if not kinds.of(selection.kind).frozen:  # value targets are merged above, faults one by one
                 faults.setdefault(name, []).append((pin_id, selection))
     names = [name for pin_id in sorted(state.checked_pins) for name in state.pins[pin_id]]
     return {
@@ -599,7 +599,7 @@ def _shape_of(entries: _Entries, faults: _Faults, trained: Optional[Tensor]) -> 
         return tuple(trained.shape)
     whole = next((target for _, index, target in entries if index is None), None)
     if whole is None:
-        whole = next((_fault_data(s)[0] for _, s in faults if s.index is None), None)
+        whole = next((next(iter(s.payload.values())) for _, s in faults if s.index is None), None)
     return None if whole is None else tuple(whole.shape)
 
 
@@ -609,18 +609,11 @@ def _target_dtype(entries: _Entries, faults: _Faults, trained: Optional[Tensor])
     elif trained is not None:
         dtype = trained.dtype
     else:
-        bounded = [s.low for _, s in faults if s.kind == "bounds"]
-        if not bounded:
+        told = [d for d in (kinds.of(s.kind).stored_dtype(s) for _, s in faults) if d is not None]
+        if not told:
             return None  # stuck bits alone: a word of known width, of unknown float type
-        dtype = bounded[0].dtype
+        dtype = told[0]
     return str(dtype).replace("torch.", "")
-
-
-def _fault_data(selection: SavedSelection) -> tuple[Tensor, Tensor]:
-    """``(stuck_at_zero, stuck_at_one)`` or ``(low, high)`` of a saved fault selection."""
-    if selection.kind == "stuck_bits":
-        return selection.stuck_at_zero, selection.stuck_at_one  # type: ignore[return-value]
-    return selection.low, selection.high  # type: ignore[return-value]
 
 
 def _count_elements(entries: _Entries, faults: _Faults, shape: Optional[tuple[int, ...]]) -> int:
@@ -670,28 +663,16 @@ def _compare(tensor: Tensor, entries: _Entries, faults: _Faults = ()) -> tuple[i
         for w in off.nonzero().reshape(-1)[:MAX_SHOWN].tolist():
             found.append((int(unique[w]), values[w].item(), target[w].item(), None))
     for _, selection in faults:
-        first, second = (t.reshape(-1) for t in _fault_data(selection))
-        position = _positions(selection.index, first.numel(), numel)
+        count = next(iter(selection.payload.values())).numel()
+        position = _positions(selection.index, count, numel)
         values = flat.index_select(0, position)
-        if selection.kind == "stuck_bits":
-            off = stuck_bits_off(values, first, second)
-            if off is None:
-                width = 8 * first.element_size()
-                raise _Unreadable(
-                    f"it is stored as {str(tensor.dtype).replace('torch.', '')} in the artifact: its stuck bits are "
-                    f"bits of a {width}-bit word, which this artifact does not hold"
-                )
-            words = values.contiguous().view(first.dtype)
-            width = 8 * first.element_size()
-
-            def expected(i: int) -> str:
-                return describe_stuck(int(words[i]), int(first[i]), int(second[i]), width)
-        else:
-            off = bounds_off(values, first, second)
-
-            def expected(i: int) -> str:
-                return f"bounds [{first[i].item()!r}, {second[i].item()!r}]"
-
+        try:
+            off, expected = kinds.of(selection.kind).stored_off(values, selection)
+        except kinds.Unreadable as err:
+            raise _Unreadable(
+                f"it is stored as {str(tensor.dtype).replace('torch.', '')} in the artifact: its {err.what} are bits "
+                f"of {err.word}, which this artifact does not hold"
+            ) from err
         checked.append(position)
         off_at.append(position[off])
         for w in off.nonzero().reshape(-1)[:MAX_SHOWN].tolist():

@@ -1,4 +1,8 @@
-"""Bit-exact comparison of tensors, shared by ``lightning-pin diff`` and ``lightning-pin check``."""
+"""Bit-exact comparison of tensors, shared by ``lightning-pin diff`` and ``lightning-pin check``.
+
+How a stored tensor is compared with a pin of each kind belongs to the kind
+(:meth:`~lightning_pin.core.kinds.base.Kind.stored_off`); ``differs`` is the value kind's.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +11,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+from lightning_pin.core.kinds.value import differs
 
-
-def differs(ta: Tensor, tb: Tensor) -> Tensor:
-    """Elements that differ bit for bit (so NaN equals NaN and -0.0 differs from 0.0).
-
-    Tensors of different dtypes are compared by value in float64: a pinned 25.0 stored as
-    float16 still equals 25.0, a 2.58e-8 that float16 flushes to zero does not.
-    """
-    if ta.dtype != tb.dtype:
-        return ta.to(torch.float64) != tb.to(torch.float64)
-    if ta.is_floating_point() and ta.element_size() in _SAME_WIDTH_INT:
-        as_int = _SAME_WIDTH_INT[ta.element_size()]
-        return ta.contiguous().view(as_int) != tb.contiguous().view(as_int)
-    return ta != tb
+__all__ = ["bounds_off", "differs", "select", "stuck_bits_off"]
 
 
 def select(tensor: Tensor, index: Optional[Tensor]) -> Tensor:

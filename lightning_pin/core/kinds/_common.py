@@ -132,3 +132,15 @@ def merge_paired(
         if whole:
             merged = [m.reshape(parameter.shape) for m in merged]
     return index, merged[0].to(device), merged[1].to(device)
+
+
+def merge_rounds(target: Tensor, at: Tensor, given: Tensor, fold: Any) -> None:
+    """``target[at] = fold(target[at], given)`` where ``at`` may repeat a row: in rounds of
+    distinct rows (a pin can list an element twice), so every entry is folded in."""
+    order = torch.argsort(at, stable=True)
+    at, given = at[order], given[order]
+    _, run, counts = torch.unique_consecutive(at, return_inverse=True, return_counts=True)
+    rank = torch.arange(at.numel()) - (counts.cumsum(0) - counts)[run]
+    for r in range(int(counts.max()) if counts.numel() else 0):  # rounds of distinct rows
+        rows = at[rank == r]
+        target[rows] = fold(rows, target[rows], given[rank == r])

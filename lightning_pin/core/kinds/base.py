@@ -179,6 +179,69 @@ class Kind:
         return None
 
     # ------------------------------------------------------------------------------------
+    # Fault-map files (lightning_pin.faults.fault_map): one entry per element and field
+
+    #: The kind's fields in a fault-map file, and the entry that marks a healthy element in each.
+    map_fields: ClassVar[dict[str, float]] = {}
+    #: Whether the map fields hold integer bit patterns (else numbers, read as float64).
+    map_bits: ClassVar[bool] = False
+
+    @classmethod
+    def map_summary(cls, count: int) -> str:
+        """``count`` elements of the kind in a map's summary line: "3 stuck values", "2 bounded"."""
+        return f"{count:,} {cls.words}"
+
+    @classmethod
+    def map_given(cls, pin: Pin) -> dict[str, Any]:
+        """The pin's own entries by map field, to save it without a module (``None``: not given).
+
+        Raises:
+            PinError: the pin cannot be saved without a module.
+        """
+        return {field: getattr(pin, field) for field in cls.map_fields}
+
+    @classmethod
+    def map_entries(cls, selection: Selection, flat: Tensor) -> dict[str, Tensor]:
+        """A resolved selection's entries by map field, one per element of ``flat``, on the CPU."""
+        return {field: selection.payload[field].detach().cpu().reshape(-1) for field in cls.map_fields}
+
+    @classmethod
+    def map_marked(cls, fields: Mapping[str, Tensor]) -> Optional[Tensor]:
+        """Which elements the map's entries mark faulty for this kind (None: the map has none of its fields)."""
+        marked = None
+        for field, healthy in cls.map_fields.items():
+            tensor = fields.get(field)
+            if tensor is not None:
+                faulty = tensor != healthy
+                marked = faulty if marked is None else marked | faulty
+        return marked
+
+    @classmethod
+    def map_pin(cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any]) -> Pin:
+        """The pin for the ``marked`` elements of a map (``select``: the selection fields)."""
+        from lightning_pin.core.spec import Pin
+
+        return Pin(pattern, **{f: fields[f][marked] for f in cls.map_fields if f in fields}, **select)
+
+    @classmethod
+    def map_dtype(cls, field: str, given: Sequence[Tensor]) -> torch.dtype:
+        """The dtype of a merged map field, from the entries of the pins on one parameter."""
+        return torch.int64 if cls.map_bits else torch.float64
+
+    @classmethod
+    def map_merge(cls, where: Callable[[int], str], field: str, target: Tensor, at: Tensor, given: Tensor) -> None:
+        """Merge one pin's entries ``given`` into ``target`` at rows ``at`` (``at`` may repeat a row).
+
+        Raises:
+            PinError: entries that cannot be merged, naming the element (``where(row)``: its words).
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
+        """Refuse merged entries that cannot hold together (``element(row)``: its words)."""
+
+    # ------------------------------------------------------------------------------------
     # Words
 
     @classmethod

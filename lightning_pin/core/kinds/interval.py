@@ -148,6 +148,47 @@ class Interval(Kind):
         return saved.payload["low"].dtype
 
     # ------------------------------------------------------------------------------------
+    # Fault-map files: float64 bounds, -inf / +inf for no bound
+
+    map_fields = {"low": -math.inf, "high": math.inf}
+
+    @classmethod
+    def map_summary(cls, count: int) -> str:
+        return f"{count:,} bounded"
+
+    @classmethod
+    def map_given(cls, pin: Pin) -> dict[str, Any]:
+        return dict(zip(("low", "high"), pin.bounds or (None, None)))
+
+    @classmethod
+    def map_entries(cls, selection: Selection, flat: Tensor) -> dict[str, Tensor]:
+        return {f: selection.payload[f].detach().cpu().reshape(-1).to(torch.float64) for f in cls.map_fields}
+
+    @classmethod
+    def map_pin(cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any]) -> Pin:
+        from lightning_pin.core.spec import Pin
+
+        count = int(marked.sum())
+        pair = tuple(
+            fields[f][marked] if f in fields else torch.full((count,), healthy, dtype=torch.float64)
+            for f, healthy in cls.map_fields.items()
+        )
+        return Pin(pattern, bounds=pair, **select)
+
+    @classmethod
+    def map_merge(cls, where: Callable[[int], str], field: str, target: Tensor, at: Tensor, given: Tensor) -> None:
+        target.scatter_reduce_(0, at, given, reduce="amax" if field == "low" else "amin")  # intersect
+
+    @classmethod
+    def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
+        if "low" in merged and "high" in merged and bool((merged["low"] > merged["high"]).any()):
+            at = int((merged["low"] > merged["high"]).to(torch.int8).argmax())
+            raise PinError(
+                f"save_fault_map: the bounds of {element(at)} do not overlap "
+                f"({merged['low'][at].item()} > {merged['high'][at].item()})"
+            )
+
+    # ------------------------------------------------------------------------------------
     # The restore kernel
 
     @property

@@ -23,7 +23,7 @@ from lightning_pin.core.kinds._common import clip as _clip
 from lightning_pin.core.kinds._common import coords as _coords
 from lightning_pin.core.kinds._common import first as _first
 from lightning_pin.core.kinds._common import is_int as _is_int
-from lightning_pin.core.kinds._common import merge_paired, per_element, shared_positions, sort_with_index
+from lightning_pin.core.kinds._common import merge_paired, merge_rounds, per_element, shared_positions, sort_with_index
 from lightning_pin.core.kinds.base import Expected, Kind, Reader, Unreadable
 from lightning_pin.core.sharding import Target
 from lightning_pin.core.spec import number_leaves
@@ -196,6 +196,33 @@ class StuckBits(Kind):
         words = values.contiguous().view(zero.dtype)
         off = ((words & zero) | (~words & one.to(zero.dtype))) != 0
         return off, lambda i: describe_stuck(int(words[i]), int(zero[i]), int(one[i]), width)
+
+    # ------------------------------------------------------------------------------------
+    # Fault-map files: masks as int64 bit patterns, 0 for no stuck bit
+
+    map_fields = {"stuck_at_zero": 0, "stuck_at_one": 0}
+    map_bits = True
+
+    @classmethod
+    def map_summary(cls, count: int) -> str:
+        return f"{count:,} with stuck bits"  # elements
+
+    @classmethod
+    def map_entries(cls, selection: Selection, flat: Tensor) -> dict[str, Tensor]:
+        return {f: unsigned(selection.payload[f].detach().cpu().reshape(-1)) for f in cls.map_fields}
+
+    @classmethod
+    def map_merge(cls, where: Callable[[int], str], field: str, target: Tensor, at: Tensor, given: Tensor) -> None:
+        merge_rounds(target, at, given, lambda rows, before, entries: before | entries)
+
+    @classmethod
+    def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
+        zero, one = merged.get("stuck_at_zero"), merged.get("stuck_at_one")
+        if zero is not None and one is not None and bool((zero & one).any()):
+            at = int((zero & one).ne(0).to(torch.int8).argmax())
+            raise PinError(
+                f"save_fault_map: {element(at)} has bits {int(zero[at] & one[at]):#x} stuck at zero and at one"
+            )
 
     # ------------------------------------------------------------------------------------
     # The restore kernel
@@ -461,3 +488,8 @@ def _union(mask: Tensor, width: int) -> int:
     return union
 
 
+def unsigned(mask: Tensor) -> Tensor:
+    """Bit masks as int64 patterns: the signed view of a 16- / 32-bit word as the unsigned pattern it stands for."""
+    if mask.dtype in (torch.int16, torch.int32):
+        return mask.to(torch.int64) & ((1 << (8 * mask.element_size())) - 1)
+    return mask.to(torch.int64)

@@ -8,7 +8,10 @@ one), and ``value=None`` targets are captured when the pin activates.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import functools
+import math
+
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -18,7 +21,7 @@ from torch import Tensor
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds._common import clip as _clip
 from lightning_pin.core.kinds._common import is_int as _is_int
-from lightning_pin.core.kinds._common import sort_with_index
+from lightning_pin.core.kinds._common import merge_rounds, sort_with_index
 from lightning_pin.core.kinds.base import Expected, Kind, Reader
 from lightning_pin.core.sharding import copy_at
 from lightning_pin.core.spec import check_value, number_leaves
@@ -133,6 +136,51 @@ class ExactValue(Kind):
     @classmethod
     def stored_dtype(cls, saved: SavedSelection) -> Optional[torch.dtype]:
         return None if saved.target is None else saved.target.dtype
+
+    map_fields = {"value": math.nan}
+
+    @classmethod
+    def map_summary(cls, count: int) -> str:
+        return f"{count:,} stuck value{'s' if count != 1 else ''}"
+
+    @classmethod
+    def map_given(cls, pin: Pin) -> dict[str, Any]:
+        if pin.value is None:
+            raise PinError(
+                f"save_fault_map: {pin!r} has no value (value=None keeps what the weights hold when it activates): "
+                "save_fault_map(pins, path, module=model) saves what they hold now"
+            )
+        return {"value": pin.value}
+
+    @classmethod
+    def map_entries(cls, selection: Selection, flat: Tensor) -> dict[str, Tensor]:
+        values, parameter = selection.values, selection.parameter.detach()
+        if values is None:  # value=None: the elements are stuck at what they hold now
+            values = parameter.reshape(-1)[flat.to(parameter.device)]
+        return {"value": values.detach().cpu().reshape(-1)}
+
+    @classmethod
+    def map_marked(cls, fields: Mapping[str, Tensor]) -> Optional[Tensor]:
+        value = fields.get("value")
+        return None if value is None else ~value.isnan()  # NaN: healthy
+
+    @classmethod
+    def map_dtype(cls, field: str, given: Sequence[Tensor]) -> torch.dtype:
+        # Stuck values keep the pins' dtype (float32 values stay float32), widened to hold them all.
+        return functools.reduce(torch.promote_types, [t.dtype for t in given])
+
+    @classmethod
+    def map_merge(cls, where: Callable[[int], str], field: str, target: Tensor, at: Tensor, given: Tensor) -> None:
+        def agree(rows: Tensor, before: Tensor, entries: Tensor) -> Tensor:
+            clash = ~before.isnan() & (before != entries)
+            if bool(clash.any()):
+                raise PinError(
+                    f"save_fault_map: {where(int(rows[clash.to(torch.int8).argmax()]))} is given two different "
+                    "stuck values"
+                )
+            return entries
+
+        merge_rounds(target, at, given, agree)
 
     @classmethod
     def show_example(cls, coords: tuple[int, ...], actual: Any, expected: Any) -> str:
