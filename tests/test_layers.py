@@ -34,6 +34,9 @@ def _imports(folder: str) -> dict[str, set[str]]:
         ("reporting", LIGHTNING + ("hydra", "lightning_pin.core.engine", "lightning_pin.core.plan",
                                    "lightning_pin.callbacks", "lightning_pin.app")),
         ("callbacks", ("hydra", "omegaconf", "lightning_pin.app")),
+        # Task ownership sits on core too: torch only.
+        ("tasks", LIGHTNING + ("hydra", "omegaconf", "torchmetrics", "lightning_pin.callbacks", "lightning_pin.app",
+                               "lightning_pin.reporting")),
         # The fault generators sit on core: torch only, usable from plain loops.
         ("faults", LIGHTNING + ("hydra", "omegaconf", "torchmetrics", "lightning_pin.callbacks", "lightning_pin.app",
                                 "lightning_pin.reporting")),

@@ -26,7 +26,8 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_pin.core.engine import StepStats, Target
-from lightning_pin.core.projections import ExactValue, Projection
+from lightning_pin.core.kinds import ExactValue
+from lightning_pin.core.kinds import Kind as Projection
 from lightning_pin.core.plan import PinPlan
 
 

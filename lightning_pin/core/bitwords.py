@@ -1,7 +1,7 @@
 """Stuck-bit masks in words, from plain integers (no torch): one text for every place that shows them.
 
-The engine's verify (:mod:`~lightning_pin.core.projections`), the fault plan's error messages
-(:mod:`~lightning_pin.core.fault_plan`) and ``lightning-pin check`` (:mod:`lightning_pin.reporting.check`)
+The engine's verify, the plan's error messages (both through the stuck-bits kind,
+:mod:`~lightning_pin.core.kinds.stuck_bits`) and ``lightning-pin check`` (:mod:`lightning_pin.reporting.check`)
 all describe a stuck-bit element the same way, so a violation reads alike wherever it is found.
 
 Example::

@@ -3,8 +3,8 @@
 :class:`PinEngine` masks the gradients of pinned elements before an optimizer step, restores
 pinned values right after it (from a ``register_step_post_hook``), zeroes the optimizer
 statistics of elements whose pin activates, and checks values against their targets. Right after
-every step it applies the pins' projections (:mod:`lightning_pin.core.projections`): the exact
-values, and the fault models (stuck bits, bounds), whose elements keep their gradients and
+every step it applies the pins' projections (their kinds' kernels, :mod:`lightning_pin.core.kinds`): the
+exact values, and the fault models (stuck bits, bounds), whose elements keep their gradients and
 optimizer statistics. Sharding, statistics parking and merge layouts have modules of their own. It decides
 nothing about *when*: its drivers do, :class:`~lightning_pin.PinCallback` from Lightning's hooks
 and :func:`~lightning_pin.pin` from torch's own hooks. Observers (the monitor, step checks)

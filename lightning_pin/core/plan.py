@@ -250,7 +250,8 @@ def resolve(
         for name in matched:
             selection = _select(pin, name, named[name], files, matched, aliases, known)
 
-            def read(field: str, source: Any, pin: Pin = pin, name: str = name, matched: Sequence[str] = matched) -> Any:
+            def read(field: str, source: Any, pin: Pin = pin, name: str = name) -> Any:
+                """A field of ``pin`` for this parameter: a file it names loaded, a dict's entry picked."""
                 return _by_name(pin, field, name, _load(pin, field, source, files), matched, aliases, known)
 
             # The kind sorts and dedupes the index and sets the elements' per-element payload.
