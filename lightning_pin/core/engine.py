@@ -88,7 +88,7 @@ class Violation:
     #: ``target`` is a description: the bits held and stuck, or the interval.
     examples: list[tuple[tuple[int, ...], float, float | str]]
     #: The name of the kind of pin broken (see :mod:`lightning_pin.core.kinds`).
-    kind: str = "value"
+    kind: str = kinds.DEFAULT.kind
 
     def __str__(self) -> str:
         kind = kinds.of(self.kind)

@@ -47,7 +47,7 @@ class Selection:
     #: How the elements were chosen, for the summary ("indices", "mask", "fraction 0.05", "whole").
     how: str
     #: The name of the kind that holds the elements (see :mod:`lightning_pin.core.kinds`).
-    kind: str = "value"
+    kind: str = kinds.DEFAULT.kind
     #: The kind's per-element tensors by field (its ``payload_fields``: ``stuck_at_zero`` /
     #: ``stuck_at_one`` masks, ``low`` / ``high`` bounds), one entry per element of ``index`` or
     #: of the parameter's shape, on the parameter's device. Empty for value pins (``values``).
@@ -58,7 +58,7 @@ class Selection:
         payload = self.__dict__.get("payload")
         if payload is not None and field in payload:
             return payload[field]
-        if payload is not None and any(field in kind.payload_fields for kind in kinds.KINDS):
+        if payload is not None and any(field in each.payload_fields for each in kinds.KINDS):
             return None
         raise AttributeError(field)
 

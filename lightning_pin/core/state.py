@@ -72,14 +72,14 @@ class SavedSelection:
     explicit: bool
     #: The name of the kind that holds the elements: ``"value"`` (``target``), ``"stuck_bits"``
     #: (``stuck_at_zero`` / ``stuck_at_one``), ``"bounds"`` (``low`` / ``high``), ...
-    kind: str = "value"
+    kind: str = kinds.DEFAULT.kind
     #: The kind's per-element tensors by field name (its ``payload_fields``), one per index (the
     #: parameter's shape for a whole tensor). Stuck-bit masks are in the signed integer type of
     #: the parameter's width (see :data:`BITS_DTYPES`), bounds in the parameter's dtype.
     payload: Mapping[str, Tensor] = dataclasses.field(default_factory=dict)
 
     def __init__(
-        self, index: Optional[Tensor], target: Optional[Tensor], explicit: bool, kind: str = "value",
+        self, index: Optional[Tensor], target: Optional[Tensor], explicit: bool, kind: str = kinds.DEFAULT.kind,
         payload: Optional[Mapping[str, Tensor]] = None, **fields: Optional[Tensor],
     ) -> None:
         merged = dict(payload or {})
@@ -93,7 +93,7 @@ class SavedSelection:
         payload = self.__dict__.get("payload")
         if payload is not None and field in payload:
             return payload[field]
-        if payload is not None and any(field in kind.payload_fields for kind in kinds.KINDS):
+        if payload is not None and any(field in each.payload_fields for each in kinds.KINDS):
             return None
         raise AttributeError(field)
 
@@ -220,7 +220,7 @@ def _read_pin(pin_id: int, entry: Any, corrupt: Any, version: int) -> dict[str, 
                 # NaN or infinity: pinning them would poison the weights for good.
                 which = "explicit" if explicit else "captured"
                 raise corrupt(f"{at}: {which} targets hold NaN or infinity, which no pin can give")
-        name_of_kind = saved.get("kind", "value") if version >= 3 else "value"
+        name_of_kind = saved.get("kind", kinds.DEFAULT.kind) if version >= 3 else kinds.DEFAULT.kind
         if not isinstance(name_of_kind, str) or name_of_kind not in kinds.BY_NAME:
             raise corrupt(f"{at}: 'kind' is {name_of_kind!r}, not one of {list(KINDS)}")
         selections[name] = kinds.of(name_of_kind).read_saved(index, target, explicit, saved, at, corrupt)

@@ -22,9 +22,9 @@ from lightning_pin.faults._common import FaultPins, coordinates, exact_name, exa
 
 #: What a fault-map key after ``<parameter name>:`` may say, and what marks a healthy element there:
 #: each kind's fields (see :attr:`lightning_pin.core.kinds.base.Kind.map_fields`).
-FIELDS = {field: healthy for kind in kinds.KINDS for field, healthy in kind.map_fields.items()}
+FIELDS = {field: healthy for each in kinds.KINDS for field, healthy in each.map_fields.items()}
 #: The kind each field belongs to.
-_KIND_OF = {field: kind for kind in kinds.KINDS for field in kind.map_fields}
+_KIND_OF = {field: each for each in kinds.KINDS for field in each.map_fields}
 #: The field of a bare parameter-name key (older maps: it holds stuck values).
 _BARE = next(iter(kinds.DEFAULT.map_fields))
 #: The key suffix of the (optional) coordinates of the elements the other fields describe.
@@ -272,14 +272,14 @@ def _pins_from_fields(
 
     pins, parts, every = [], [], None
     pattern = exact_pattern(name)
-    for kind in kinds.KINDS:  # one pin per kind the map marks, in registry order
-        marked = kind.map_marked(fields)
+    for each in kinds.KINDS:  # one pin per kind the map marks, in registry order
+        marked = each.map_marked(fields)
         if marked is None:
             continue
         every = marked if every is None else every | marked
         if bool(marked.any()):
-            pins.append(kind.map_pin(pattern, fields, marked, select(marked)))
-            parts.append(kind.map_summary(int(marked.sum())))
+            pins.append(each.map_pin(pattern, fields, marked, select(marked)))
+            parts.append(each.map_summary(int(marked.sum())))
     count = 0 if every is None else int(every.sum())
     return pins, f"{name}: {', '.join(parts) if parts else 'no fault'}", count
 
@@ -345,7 +345,7 @@ def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor], Optional[tup
         raise PinError(
             f"save_fault_map: {pin!r}: fraction needs a module to resolve: save_fault_map(pins, path, module=model)"
         )
-    for field in ("indices", "mask", *(f for kind in kinds.KINDS for f in kind.pin_fields)):
+    for field in ("indices", "mask", *(f for each in kinds.KINDS for f in each.pin_fields)):
         if isinstance(getattr(pin, field), (str, Path, Mapping)):
             raise PinError(f"save_fault_map: {pin!r}: {field} must be given in memory (tensors or numbers) to be saved")
     given = kinds.for_pin(pin).map_given(pin)
@@ -434,8 +434,8 @@ def _merge(name: str, parts: list[tuple[Tensor, dict[str, Tensor]]]) -> dict[str
         for field, entries in fields.items():
             target = merged.setdefault(field, torch.full((cells.shape[0],), FIELDS[field], dtype=dtypes[field]))
             _KIND_OF[field].map_merge(element, field, target, at, entries.to(dtypes[field]))
-    for kind in kinds.KINDS:
-        kind.map_check(merged, element)
+    for each in kinds.KINDS:
+        each.map_check(merged, element)
     return {f"{name}:{INDICES}": cells, **{f"{name}:{field}": tensor for field, tensor in merged.items()}}
 
 
