@@ -310,12 +310,16 @@ def check_lengths(cfg: DictConfig) -> None:
     """Refuse fits that would never end or never train, before anything is built.
 
     Lightning reads ``max_epochs=-1`` as "no limit": with no ``max_steps`` the app would retrain for
-    ever. ``max_epochs=0`` retrains nothing, so no pin would ever be applied.
+    ever. ``max_epochs=0`` (or ``max_steps=0``) retrains nothing, so no pin would ever be applied.
 
     Raises:
         ValueError: naming the key and what would be right.
     """
     epochs, steps = cfg.trainer.max_epochs, cfg.trainer.get("max_steps", -1)
+    if steps == 0:
+        # Lightning stops a fit with max_steps=0 before its first step, whatever max_epochs says.
+        raise ValueError("trainer.max_steps=0 retrains nothing: give trainer.max_steps=1 or more, or -1 for no step "
+                         "limit (then trainer.max_epochs bounds the retraining)")
     if (epochs is None or epochs < 1) and not (steps is not None and steps > 0):
         raise ValueError(
             f"trainer.max_epochs={epochs} "
