@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--lower-is-better", action="store_true", default=None, help="the metric is an error (MSE, ...), not a score"
     )
     report.add_argument("--no-plot", action="store_true", help="skip pin_report.png")
+    report.add_argument("--allow-truncated", action="store_true",
+                        help="report a TensorBoard event file that ends inside a record (a cut run) up to the cut")
     report.add_argument(
         "--force", action="store_true", help="replace an existing pin_report.json even if it holds more data"
     )
@@ -166,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("run_dir", help="the run directory (outputs/<date>/<time>)")
     export.add_argument("--to", required=True, help="the file to write: model.safetensors or model.onnx")
+    export.add_argument("--force", action="store_true",
+                        help="replace an existing --to file even if it is not a model export")
     return parser
 
 
@@ -210,7 +214,8 @@ def _report(args: argparse.Namespace) -> int:
         csv_path = reporting.find_metrics_csv(args.run_dir)
         higher_is_better = None if args.lower_is_better is None else not args.lower_is_better
         report = reporting.report_from_csv(
-            csv_path, metric=args.metric, tolerance=args.tolerance, higher_is_better=higher_is_better
+            csv_path, metric=args.metric, tolerance=args.tolerance, higher_is_better=higher_is_better,
+            allow_truncated=args.allow_truncated,
         )
         out = args.out or (csv_path if csv_path.is_dir() else csv_path.parent)
         reporting.check_destination(out, plot=not args.no_plot)
@@ -294,7 +299,7 @@ def _export(args: argparse.Namespace) -> int:
     try:
         from lightning_pin.app.export import export_run
 
-        path = export_run(args.run_dir, args.to)
+        path = export_run(args.run_dir, args.to, force=args.force)
     except (PinError, ImportError, OSError) as err:
         return _fail("export", str(err))
     print(f"wrote {path}; verify it with: lightning-pin check {args.run_dir}/pinned.ckpt {path}")

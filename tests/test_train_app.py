@@ -85,6 +85,8 @@ def test_one_epoch_default_run_writes_a_report_with_exact_pins(tmp_path, train):
     exported = tmp_path / "deploy" / "model.safetensors"
     assert cli.main(["export", str(tmp_path), "--to", str(exported)]) == 0
     assert cli.main(["check", str(tmp_path / "pinned.ckpt"), str(exported)]) == 0
+    # An earlier export at the same place is replaced without --force (it is a model export).
+    assert cli.main(["export", str(tmp_path), "--to", str(exported)]) == 0
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(exported)["backbone.features.0.weight"], pinned["backbone.features.0.weight"])
@@ -106,6 +108,29 @@ def test_export_refuses_what_is_not_a_run_or_a_format(tmp_path, capsys):
     assert "\n" not in line and not (tmp_path / "model.safetensors").exists()
     assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / "model.pkl")]) == 2
     assert "one of .safetensors, .onnx" in capsys.readouterr().err
+
+
+def test_export_checks_its_destination_before_rebuilding_the_model(tmp_path, capsys):
+    # A directory: one line, status 2, before the run is read (tmp_path is not a run, and that is not what it says).
+    (tmp_path / "deploy").mkdir()
+    assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / "deploy")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and "is a directory" in line and "--to" in line and "finished" not in line
+    # An existing file that is not a model export is never replaced without --force.
+    notes = tmp_path / "notes.safetensors"
+    notes.write_text("my notes")
+    for name in ("notes.safetensors", "notes.onnx"):
+        (tmp_path / name).write_text("my notes")
+        assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / name)]) == 2
+        line = capsys.readouterr().err.strip()
+        assert "\n" not in line and "is not a model export" in line and "--force" in line
+        assert (tmp_path / name).read_text() == "my notes"
+    # With --force it goes on (here to the run directory's own check).
+    assert cli.main(["export", str(tmp_path), "--to", str(notes), "--force"]) == 2
+    assert "is not the directory of a finished" in capsys.readouterr().err
+    # A file in the way of the destination's directory.
+    assert cli.main(["export", str(tmp_path), "--to", str(notes / "model.safetensors")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
 
 
 def test_cell_faults_are_drawn_on_the_pretrained_model_and_hold(tmp_path, train):

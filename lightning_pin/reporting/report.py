@@ -217,6 +217,9 @@ def _headline(report: Mapping[str, Any]) -> str:
             f"final {_fmt(report['final'])}"
         )
     parts.append(f"{report['pinned_elements']:,} pinned elements, violations {report['violations']}")
+    if report.get("truncated"):
+        parts.append("truncated event file: read up to step "
+                     + ", ".join(str(c.get("last_step", "-")) for c in report["truncated"]))
     return "   |   ".join(parts)
 
 
@@ -347,6 +350,9 @@ def report_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     for module, value in (report.get("weight_drift_by_module") or {}).items():
         rows.append((f"  {module}", _fmt(value)))
     rows.append(("optimizer steps", str(report.get("steps", "-"))))
+    for cut in report.get("truncated") or ():
+        last = "nothing" if cut.get("last_step") is None else f"up to step {cut['last_step']}"
+        rows.append(("truncated event file (read " + last + ")", Path(str(cut.get("file"))).name))
     return rows
 
 
@@ -401,18 +407,23 @@ def find_metrics_csv(run_dir: Union[str, Path]) -> Path:
     return max(found, key=lambda item: item[0])[1]
 
 
-def read_run_metrics(path: Union[str, Path]) -> list[dict[str, float]]:
+def read_run_metrics(path: Union[str, Path], allow_truncated: bool = False) -> list[dict[str, float]]:
     """The logged rows of a run: a ``metrics.csv``, or a directory of TensorBoard event files.
 
     Raises:
         OSError: the file cannot be opened.
         ReportError: the CSV is unreadable (see :func:`read_metrics_csv`), the event files hold no
-            scalar, or tensorboard is needed and not installed.
+            scalar, an event file ends inside a record (unless ``allow_truncated``: then the rows
+            are those read up to the cut), or tensorboard is needed and not installed.
     """
     path = Path(path)
     if not path.is_dir():
         return read_metrics_csv(path)
     try:
+        cut = tensorboard.find_truncated(path)
+        if cut and not allow_truncated:
+            # TensorBoard's reader stops at the cut without a word: a report from it would look complete.
+            raise ReportError(f"{cut[0].describe()}; pass --allow-truncated to report what was read up to there")
         rows = tensorboard.read_scalars(path)
     except tensorboard.TensorBoardMissing as err:
         raise ReportError(str(err)) from None
@@ -556,6 +567,7 @@ def report_from_csv(
     metric: Optional[str] = None,
     tolerance: Optional[float] = None,
     higher_is_better: Optional[bool] = None,
+    allow_truncated: bool = False,
 ) -> dict[str, Any]:
     """Rebuild the report of a run from the ``pin/...`` metrics it logged: the columns of its
     ``metrics.csv`` (``CSVLogger``), or the scalars of its TensorBoard event files (Lightning's
@@ -565,12 +577,16 @@ def report_from_csv(
     from the ``pin_report.json`` that :class:`~lightning_pin.PinMonitor` writes next to it when
     training starts, or defaults to "higher is better" and 0.01.
 
+    A TensorBoard event file that ends inside a record is refused, or with ``allow_truncated``
+    read up to the cut, and the report's ``truncated`` lists each such file and its last step.
+
     Raises:
         FileNotFoundError: there is no ``metrics.csv`` in or below ``run_dir``.
         ValueError: the run logged several tracked metrics and ``metric`` does not choose one.
     """
     csv_path = find_metrics_csv(run_dir)
-    rows = read_run_metrics(csv_path)
+    rows = read_run_metrics(csv_path, allow_truncated=allow_truncated)
+    cut = tensorboard.find_truncated(csv_path) if csv_path.is_dir() else []
     if not any(key.startswith(PREFIX) for row in rows for key in row):
         raise ReportError(
             f"{csv_path} holds no {PREFIX}... columns: it is not the log of a run trained with PinCallback "
@@ -605,7 +621,7 @@ def report_from_csv(
     modules = list(dict.fromkeys(k[len(groups_prefix) :] for row in rows for k in row if k.startswith(groups_prefix)))
     pinned = last(f"{PREFIX}pinned_elements")
     trainable = last(f"{PREFIX}trainable_elements")
-    return make_report(
+    report = make_report(
         metric=metric,
         higher_is_better=bool(higher_is_better),
         tolerance=float(tolerance),
@@ -620,6 +636,9 @@ def report_from_csv(
         pinned_elements=int(pinned if pinned is not None else existing.get("pinned_elements", 0)),
         trainable_elements=int(trainable) if trainable is not None else existing.get("trainable_elements"),
     )
+    if cut:
+        report["truncated"] = [{"file": str(c.path), "last_step": c.last_step} for c in cut]
+    return report
 
 
 #: Columns that hold counts (besides ``step``).
