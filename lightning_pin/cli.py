@@ -229,12 +229,13 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from lightning_pin.core.io import TensorFileError, load_checkpoint
+    from lightning_pin.core.io import TensorFileError
     from lightning_pin.core.state import CorruptPinState
     from lightning_pin.reporting import diff as ckpt_diff
 
     try:
-        a, b = load_checkpoint(args.a), load_checkpoint(args.b)
+        # Every layout `check` reads: Lightning checkpoints, state dicts, {"model": ..., "pins": ...}.
+        a, b = ckpt_diff.read_checkpoint(args.a), ckpt_diff.read_checkpoint(args.b)
         result = ckpt_diff.diff_checkpoints(a, b, names=(args.a, args.b))
     except (TensorFileError, CorruptPinState, OSError) as err:
         return _fail("diff", str(err))
