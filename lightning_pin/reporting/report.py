@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import textwrap
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -185,17 +186,22 @@ def build_figure(report: Mapping[str, Any], figure_class: Any = None) -> Any:
     """
     if figure_class is None:
         from matplotlib.figure import Figure as figure_class
+    from matplotlib.ticker import MaxNLocator
+
     history = report["history"]
     panels = []
     if report.get("metric") and history["accuracy"]["step"]:
         panels.append(_plot_metric)
-    if history["pin_drift"]["step"]:
+    # A drift that is the same at every logged step says one thing: a caption says it, not a panel of flat lines.
+    if history["pin_drift"]["step"] and not (_flat_drift(report) and not report["violations"]):
         panels.append(_plot_pin_drift)
     if history["weight_drift"]["step"]:
         panels.append(_plot_weight_drift)
     if not panels:
         panels.append(_plot_nothing)
-    fig = figure_class(figsize=(11.5, 3.1 * len(panels) + 0.6))
+    # The captions, wrapped to the figure's width (about 165 characters of 8.5 pt at 11.5 inches).
+    notes = [line for note in _captions(report) for line in textwrap.wrap(note, 165)]
+    fig = figure_class(figsize=(11.5, 3.1 * len(panels) + 0.6 + 0.22 * len(notes)))
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)
     for panel, ax in zip(panels, axes[:, 0]):
         panel(ax, report)
@@ -204,9 +210,39 @@ def build_figure(report: Mapping[str, Any], figure_class: Any = None) -> Any:
             # Beside the panel: inside it, a legend covers the data of runs that go anywhere.
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, framealpha=0.9)
     axes[-1, 0].set_xlabel("optimizer step")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     fig.suptitle(_headline(report), fontsize=10.5)
-    fig.tight_layout()
+    height = fig.get_size_inches()[1]
+    for i, note in enumerate(notes):
+        fig.text(0.01, (0.08 + 0.22 * (len(notes) - 1 - i)) / height, note, fontsize=8.5, color="0.25", ha="left")
+    fig.tight_layout(rect=(0, (0.22 * len(notes) + 0.05) / height if notes else 0, 1, 1))
     return fig
+
+
+def _flat_drift(report: Mapping[str, Any]) -> bool:
+    """Is the pin drift the same at every logged step (two or more), and not zero?"""
+    drift = report["history"]["pin_drift"]
+    return (len(drift["step"]) >= 2 and len(set(drift["max"])) == 1 and len(set(drift["mean"])) == 1
+            and drift["max"][0] > 0)
+
+
+def _captions(report: Mapping[str, Any]) -> list[str]:
+    """What the panels do not show, and why: a flat pin drift folded away, a drift never logged."""
+    drift = report["history"]["pin_drift"]
+    notes = []
+    if _flat_drift(report) and not report["violations"]:
+        notes.append(
+            f"pin drift (not drawn): the same at each of the {len(drift['step'])} logged steps, max "
+            f"{_fmt(drift['max'][0])}, mean {_fmt(drift['mean'][0])} per step before the restore. The pinned values "
+            "are the same every step, so a move that depends only on them is too, such as decoupled weight decay "
+            "(AdamW moves each by lr x weight_decay x |value|); the restore undoes it (0 violations)."
+        )
+    elif not drift["step"] and report.get("steps"):
+        notes.append(
+            f"pin drift was not logged: the run took {report['steps']} optimizer steps, fewer than the trainer's "
+            "log_every_n_steps (Lightning's default 50; the app's 5). Lower it to see the drift."
+        )
+    return notes
 
 
 def _headline(report: Mapping[str, Any]) -> str:
@@ -227,7 +263,11 @@ def _plot_metric(ax: Any, report: Mapping[str, Any]) -> None:
     steps, values = report["history"]["accuracy"]["step"], report["history"]["accuracy"]["value"]
     baseline, forced, tolerance = report["baseline"], report["forced"], report["tolerance"]
     label = f"{report['metric']} (final {_fmt(report['final'])})"
-    ax.plot(steps, values, "o-", color="tab:blue", lw=2, ms=4, label=label)
+    if len(steps) > 2:
+        ax.plot(steps, values, "o-", color="tab:blue", lw=2, ms=4, label=label)
+    else:
+        # Two measurements (forced, final): a solid line would read as measured in between.
+        ax.plot(steps, values, "o:", color="tab:blue", lw=1.2, ms=6, label=label)
     if baseline is not None:
         worst = baseline - tolerance if report["higher_is_better"] else baseline + tolerance
         ax.axhspan(min(baseline, worst), max(baseline, worst), color="tab:green", alpha=0.12, lw=0,
@@ -239,7 +279,7 @@ def _plot_metric(ax: Any, report: Mapping[str, Any]) -> None:
         ax.axvline(report["recovered_step"], color="0.4", ls="-.", lw=1,
                    label=f"first within tolerance at step {report['recovered_step']}")
     ax.set_ylabel(report["metric"])
-    ax.set_title(f"{report['metric']} on the validation data", fontsize=10)
+    ax.set_title(f"{report['metric']} on the validation data{_only(steps)}", fontsize=10)
 
 
 def _plot_pin_drift(ax: Any, report: Mapping[str, Any]) -> None:
@@ -265,14 +305,21 @@ def _plot_pin_drift(ax: Any, report: Mapping[str, Any]) -> None:
 
 def _plot_weight_drift(ax: Any, report: Mapping[str, Any]) -> None:
     drift = report["history"]["weight_drift"]
-    ax.plot(drift["step"], drift["total"], ".-", color="tab:brown", lw=2,
+    ax.plot(drift["step"], drift["total"], ".-" if len(drift["step"]) > 2 else "o:", color="tab:brown", lw=2,
             label=f"L2 distance from fit start (final {_fmt(report['weight_drift'])}, "
                   f"{100 * (report['weight_drift_relative'] or 0):.1f}% of their norm)")
     for i, (module, values) in enumerate(drift.get("by_module", {}).items()):
         if len(drift["by_module"]) > 1 and i < 8:
-            ax.plot(drift["step"], values, "-", lw=1, alpha=0.8, label=module)
+            ax.plot(drift["step"], values, "-" if len(drift["step"]) > 2 else ":", lw=1, alpha=0.8, label=module)
     ax.set_ylabel("||w - w0||")
-    ax.set_title("weight drift: how far the free weights moved to compensate", fontsize=10)
+    ax.set_title(f"weight drift: how far the free weights moved to compensate{_only(drift['step'])}", fontsize=10)
+
+
+def _only(steps: Sequence[int]) -> str:
+    """A panel title's note when it has two points or fewer: a line between them was never measured."""
+    if len(steps) > 2 or not steps:
+        return ""
+    return f", measured at step{'s' if len(steps) > 1 else ''} {' and '.join(str(s) for s in steps)} only"
 
 
 def _plot_nothing(ax: Any, report: Mapping[str, Any]) -> None:
@@ -339,7 +386,13 @@ def report_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("pinned elements", f"{report['pinned_elements']:,}" + (f" of {trainable:,} trainable" if trainable else ""))
     )
     rows.append(("violations (must be 0)", str(report["violations"])))
-    rows.append(("pin drift max / mean", f"{_fmt(report['pin_drift_max'])} / {_fmt(report['pin_drift_mean'])}"))
+    drift = f"{_fmt(report['pin_drift_max'])} / {_fmt(report['pin_drift_mean'])}"
+    history = report.get("history", {}).get("pin_drift", {})
+    if report.get("pin_drift_max") is None and report.get("steps"):
+        drift = f"not logged ({report['steps']} steps, fewer than log_every_n_steps)"
+    elif history and _flat_drift(report):
+        drift += " (the same at every logged step)"
+    rows.append(("pin drift max / mean", drift))
     relative = report.get("weight_drift_relative")
     rows.append(
         (
