@@ -133,6 +133,24 @@ def test_export_checks_its_destination_before_rebuilding_the_model(tmp_path, cap
     assert "is a file, not a directory" in capsys.readouterr().err
 
 
+def test_the_readmes_fault_map_pins_the_apps_cnn(tmp_path, train, fork_runner):
+    # The README's block writes chip.safetensors; the sentence after it runs the app with that map.
+    from test_readme import python_blocks
+
+    text = (ROOT / "README.md").read_text()
+    (block,) = [code for _, code in python_blocks(text) if 'save_fault_map(pins, "chip.safetensors")' in code]
+    assert "pin=fault_map pin.fault_map=chip.safetensors" in text
+    (tmp_path / "block.py").write_text(block)
+    written = run([sys.executable, "block.py"], cwd=tmp_path, runner=fork_runner)
+    assert written.returncode == 0, written.output
+    result = train(*TINY, "pin=fault_map", "pin.fault_map=chip.safetensors", f"hydra.run.dir={tmp_path / 'run'}",
+                   cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    assert "pins      exact: verified" in result.output
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    assert summary["pinned_elements"] == 3 and summary["pins_exact"] is True
+
+
 def test_cell_faults_are_drawn_on_the_pretrained_model_and_hold(tmp_path, train):
     from lightning_pin.faults import cell_faults
 
@@ -230,6 +248,18 @@ def test_optuna_search_runs_two_trials(tmp_path, train):
     with open(tmp_path / "sweep_summary.csv", newline="") as file:
         rows = list(csv.DictReader(file))
     assert len(rows) == 2 and best["best_value"] == max(float(row["final"]) for row in rows)
+
+
+def test_optuna_search_without_its_plugin_is_one_line_pointing_to_lightning_pin_tune(tmp_path, train):
+    # `make` installs the tune extra (optuna >= 3); Hydra's Optuna sweeper pins optuna < 3, so it is not there.
+    if importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None:
+        pytest.skip("Hydra's Optuna sweeper plugin is installed: hparams_search=optuna runs (test above)")
+    for args in (["hparams_search=optuna"], ["hparams_search=optuna", "hydra.sweeper.n_trials=2", *TINY]):
+        result = train(*args, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.output
+        assert "lightning-pin tune" in lines[0] and "optuna-sweeper" in lines[0]
+        assert "Could not find" not in result.output and not (tmp_path / "sweep").exists()
 
 
 def test_ddp_sim_run_verifies_pins_from_spawned_workers(tmp_path, train):
