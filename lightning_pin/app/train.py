@@ -430,10 +430,13 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"  accuracy  baseline {_fmt(summary['baseline'])}  forced {_fmt(summary['forced'])}  "
             f"final {_fmt(summary['final'])}  (gap to baseline {summary['gap']:+.3f}, {_recovery(summary)})"
         )
-    lines.append(
-        "  pins      exact: verified with torch.equal on every pinned element; "
-        f"{summary['violations']} violations logged"
-    )
+    if summary.get("pinned_elements"):
+        lines.append(
+            "  pins      exact: verified with torch.equal on every pinned element; "
+            f"{summary['violations']} violations logged"
+        )
+    else:
+        lines.append("  pins      nothing pinned (no pin selects an element): nothing to verify")
     drift = []
     if summary.get("pin_drift_max") is not None:
         drift.append(f"pinned elements moved up to {summary['pin_drift_max']:.3g} by a step, before the restore")

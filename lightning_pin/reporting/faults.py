@@ -99,9 +99,11 @@ def aggregate(rows: Sequence[Mapping[str, Any]], by: str = "rate") -> list[dict[
         point: dict[str, Any] = {by: key, "seeds": len(group)}
         for column in ("forced", "final", "gap", "baseline"):
             point[f"{column}_mean"], point[f"{column}_ci"], _ = mean_ci(r.get(column) for r in group)
-        recovered = [r.get("recovered_step") for r in group]
-        point["recovered"] = sum(step is not None and step != "" for step in recovered)
-        point["diverged"] = sum(bool(r.get("diverged")) for r in group)
+        # Back within the tolerance at some step, and not diverged after it: a job that came back and
+        # then collapsed did not recover.
+        point["recovered"] = sum(r.get("recovered_step") not in (None, "") and not _true(r.get("diverged"))
+                                 for r in group)
+        point["diverged"] = sum(_true(r.get("diverged")) for r in group)
         point["pins_exact"] = all(r.get("pins_exact") for r in group)
         points.append(point)
     return sorted(points, key=lambda p: str(p[by]) if by == "param" else p[by])
@@ -127,6 +129,21 @@ def _cell(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     return str(value)
+
+
+#: The app's optimizer when a recipe does not choose one (conf/train.yaml).
+DEFAULT_OPTIMIZER = "adamw"
+
+
+def _optimizer(recipe: Any) -> str:
+    """The optimizer a job's recipe (its overrides, space separated) chose: the last ``optimizer=``, or the default."""
+    chosen = [o.split("=", 1)[1] for o in str(recipe or "").split() if o.split("=", 1)[0] == "optimizer"]
+    return chosen[-1] if chosen else DEFAULT_OPTIMIZER
+
+
+def _true(value: Any) -> bool:
+    """A boolean cell of a row: True, or "true" as read back from fault_curve.csv."""
+    return value is True or str(value).lower() == "true"
 
 
 def _pm(mean: float, ci: float) -> str:
@@ -167,11 +184,13 @@ def print_curve(rows: Sequence[Mapping[str, Any]], title: str, by: str = "rate")
     if baseline:
         footer.append((f"baseline {baseline[0]:.3f}" + ("" if tolerance is None else f", tolerance {tolerance:g}")
                        + "; ± is the 95% confidence interval over seeds (Student's t)", None))
-    diverged = sum(bool(r.get("diverged")) for r in rows)
+    diverged = [r for r in rows if _true(r.get("diverged"))]
     if diverged:
-        footer.append((f"{diverged} job(s) diverged (a loss that is not finite, or retraining that ended at chance or "
-                       "below the forced accuracy): try another optimizer (optimizer=adamw) or a lower learning rate",
-                       "red"))
+        used = {_optimizer(r.get("recipe")) for r in diverged}
+        other = "another optimizer (optimizer=adamw)" if DEFAULT_OPTIMIZER not in used else "another optimizer"
+        footer.append((f"{len(diverged)} job(s) diverged (a loss that is not finite, or retraining that ended at "
+                       f"chance or below the forced accuracy) under {', '.join(sorted(used))}: try a lower "
+                       f"learning rate (optimizer.lr=...) or {other}", "red"))
     tables.print_table(columns, body, title, footer=footer)
 
 
