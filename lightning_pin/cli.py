@@ -4,7 +4,7 @@
     lightning-pin report RUN_DIR        # pin_report.json / .png from a run's metrics.csv or TensorBoard events
     lightning-pin diff A.ckpt B.ckpt    # what changed between two checkpoints; do saved pins hold in B?
     lightning-pin check PINNED FILE...  # do the saved pins hold in exported models?
-    lightning-pin export RUN_DIR --to model.safetensors|model.onnx   # an app run's pinned model, exported
+    lightning-pin export RUN_DIR [--to FILE.safetensors|FILE.onnx]   # an app run's pinned model, exported
     lightning-pin faults [--kind K] [--rates R1,R2] [--seeds N] [--jobs J] [--out DIR] [OVERRIDES]
                                         # accuracy against the fault rate, forced and retrained (a study)
     lightning-pin tune [--trials N] [--param KEY=SPEC] [--objectives final:max,...] [OVERRIDES]
@@ -25,11 +25,14 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn, Optional
 
 
 #: Exit status for bad input (missing, empty or unreadable files; data that would be lost; usage).
 BAD_INPUT = 2
+#: What ``export`` writes without ``--to``: inside the run directory (under ``outputs/``, which git ignores).
+DEFAULT_EXPORT = "model.safetensors"
 
 #: Every subcommand and its one-line summary (the ``--help`` description lists them all).
 SUMMARIES = {
@@ -120,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also put the faults in one parameter at a time: layer_sensitivity.csv / .png")
     faults.add_argument("--layer-rate", type=float, help="the rate of --per-layer (default: the largest of --rates)")
     faults.add_argument("--jobs", type=int, default=1, help="jobs in parallel (Hydra's joblib launcher)")
-    faults.add_argument("--out", help="the study's directory (default: faults/<date>/<time>)")
+    faults.add_argument("--out", help="the study's directory (default: outputs/faults/<date>/<time>)")
     faults.add_argument("overrides", nargs="*", help="Hydra overrides for every job (recovery=distill, optimizer=sgd)")
 
     tune = commands.add_parser(
@@ -138,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--objectives", default="final:max",
                       help="KEY:max|min, comma separated: run summary keys (final, gap) or config keys (pin.rate); "
                       "two or more: NSGA-II (default: %(default)s)")
-    tune.add_argument("--out", help="the study's directory (default: tune/<date>/<time>)")
+    tune.add_argument("--out", help="the study's directory (default: outputs/tune/<date>/<time>)")
     tune.add_argument("--study-name", default="lightning_pin")
     tune.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     tune.add_argument("--no-prune", action="store_true", help="never prune a trial (single objective)")
@@ -167,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
         "ONNX needs pip install 'lightning-pin[export]'.",
     )
     export.add_argument("run_dir", help="the run directory (outputs/<date>/<time>)")
-    export.add_argument("--to", required=True, help="the file to write: model.safetensors or model.onnx")
+    export.add_argument("--to", help="the file to write: a .safetensors or .onnx file (default: "
+                        "RUN_DIR/model.safetensors, beside the run's checkpoints)")
     export.add_argument("--force", action="store_true",
                         help="replace an existing --to file even if it is not a model export")
     return parser
@@ -300,10 +304,11 @@ def _export(args: argparse.Namespace) -> int:
     try:
         from lightning_pin.app.export import export_run
 
-        path = export_run(args.run_dir, args.to, force=args.force)
+        to = args.to or Path(args.run_dir) / DEFAULT_EXPORT
+        path = export_run(args.run_dir, to, force=args.force)
     except (PinError, ImportError, OSError) as err:
         return _fail("export", str(err))
-    print(f"wrote {path}; verify it with: lightning-pin check {args.run_dir}/pinned.ckpt {path}")
+    print(f"wrote {path}; verify it with: lightning-pin check {Path(args.run_dir) / 'pinned.ckpt'} {path}")
     return 0
 
 

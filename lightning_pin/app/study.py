@@ -108,7 +108,8 @@ def parse_rates(text: str) -> tuple[float, ...]:
 def run_study(study: Study) -> int:
     """Run (or finish) the study; write the files and print the table. Returns the exit status."""
     study.check()
-    out = Path(study.out or Path("faults") / datetime.now().strftime("%Y-%m-%d") / datetime.now().strftime("%H-%M-%S"))
+    out = Path(study.out or Path("outputs") / "faults" / datetime.now().strftime("%Y-%m-%d")
+               / datetime.now().strftime("%H-%M-%S"))
     out.mkdir(parents=True, exist_ok=True)
     _claim(out, study)
     log_path = out / LOG

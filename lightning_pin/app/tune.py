@@ -199,9 +199,10 @@ def check_config(tune: Tune, params: tuple[Param, ...], out: Path) -> None:
             continue
         value = OmegaConf.select(cfg, objective.key, default=None, throw_on_missing=False)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
+            summary_keys = ", ".join(SUMMARY_OBJECTIVES[:5])
             raise TuneError(
-                f"--objectives: {objective.key!r} is neither a number of the run summary ({', '.join(SUMMARY_OBJECTIVES[:5])}, "
-                f"...) nor a number of the trial's config (pin.rate with pin=faults, optimizer.lr, ...)"
+                f"--objectives: {objective.key!r} is neither a number of the run summary ({summary_keys}, ...) nor "
+                "a number of the trial's config (pin.rate with pin=faults, optimizer.lr, ...)"
             )
 
 
