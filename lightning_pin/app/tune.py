@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import sys
 import time
 from datetime import datetime
 from pathlib import Path

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import torch
 from torch import Tensor
 
 # The one tensor-file reader (weights_only=True), also offered here: `lightning-pin diff` reads with it.

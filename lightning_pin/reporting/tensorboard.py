@@ -58,21 +58,27 @@ def find_truncated(directory: Union[str, Path]) -> list[Truncated]:
         ) from err
     found = []
     for path in sorted(Path(directory).glob(EVENTS_GLOB)):
-        data = path.read_bytes()
+        size = path.stat().st_size
         offset, last_step = 0, None
-        while offset < len(data):
-            if len(data) - offset < _HEADER:
-                break
-            length = struct.unpack_from("<Q", data, offset)[0]
-            end = offset + _HEADER + length + _FOOTER
-            if end > len(data):
-                break
-            event = Event.FromString(data[offset + _HEADER : offset + _HEADER + length])
-            if event.HasField("summary") and len(event.summary.value):
-                last_step = int(event.step) if last_step is None else max(last_step, int(event.step))
-            offset = end
-        if offset < len(data):
-            found.append(Truncated(path, last_step, offset, len(data)))
+        # Record by record (an event file can hold images and histograms: never all of it in memory).
+        with open(path, "rb") as file:
+            while offset < size:
+                header = file.read(_HEADER)
+                if len(header) < _HEADER:
+                    break
+                length = struct.unpack_from("<Q", header)[0]
+                if offset + _HEADER + length + _FOOTER > size:
+                    break
+                try:
+                    event = Event.FromString(file.read(length))
+                except Exception:  # noqa: BLE001  (a damaged record: the file holds nothing readable after it)
+                    break
+                file.seek(_FOOTER, 1)
+                if event.HasField("summary") and len(event.summary.value):
+                    last_step = int(event.step) if last_step is None else max(last_step, int(event.step))
+                offset += _HEADER + length + _FOOTER
+        if offset < size:
+            found.append(Truncated(path, last_step, offset, size))
     return found
 
 
