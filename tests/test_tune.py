@@ -106,6 +106,16 @@ def test_epoch_pruning_reports_the_tracked_accuracy_and_stops_a_pruned_trial():
     assert len(pruned.reports) == 1
 
 
+def test_only_the_final_accuracy_is_pruned_on():
+    from lightning_pin.app.tune import Objective, Tune, prunes
+
+    assert prunes(Tune(objectives=(Objective("final", True),)))
+    # The pruning callback reports the accuracy: as intermediate values of another objective it would prune at random.
+    for objectives in ("gap:min", "train_loss:min", "pin.rate:max", "final:max,pin.rate:max"):
+        assert not prunes(Tune(objectives=Objective.parse_all(objectives)))
+    assert not prunes(Tune(prune=False))
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [(["--param", "optimizer.lr=log:0:1"], "LOW > 0"), (["--objectives", "final:up"], "KEY:max or KEY:min"),

@@ -158,6 +158,12 @@ class EpochPruning(Callback):
             raise optuna.TrialPruned(f"pruned at step {step}: accuracy {value:.4f}")
 
 
+def prunes(tune: Tune) -> bool:
+    """Does the study prune trials? Only one objective, and only ``final``: :class:`EpochPruning` reports the
+    tracked accuracy, which is no intermediate value of ``gap``, ``train_loss`` or a config key."""
+    return tune.prune and len(tune.objectives) == 1 and tune.objectives[0].key == "final"
+
+
 def default_out() -> Path:
     """``outputs/tune/<date>/<time>``: under ``outputs/`` with the app's runs (and ignored by git)."""
     now = datetime.now()
@@ -216,7 +222,7 @@ def run_tune(tune: Tune) -> int:
     out.mkdir(parents=True, exist_ok=True)
     multi = len(tune.objectives) > 1
     sampler = optuna.samplers.NSGAIISampler(seed=tune.seed) if multi else optuna.samplers.TPESampler(seed=tune.seed)
-    pruner = optuna.pruners.MedianPruner(n_startup_trials=2) if tune.prune and not multi else optuna.pruners.NopPruner()
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=2) if prunes(tune) else optuna.pruners.NopPruner()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(
         study_name=tune.study_name,
@@ -331,7 +337,7 @@ def _trial(tune: Tune, trial: Any, values: dict[str, Any], ckpt: str, directory:
 
     searched = [_override(k, v) for k, v in values.items()]
     cfg = compose_app([*tune.overrides, *searched, f"ckpt_path={ckpt}"], directory)
-    pruning = [EpochPruning(trial)] if tune.prune and len(tune.objectives) == 1 else []
+    pruning = [EpochPruning(trial)] if prunes(tune) else []
     summary = run(cfg, extra_callbacks=pruning)
     result = []
     for objective in tune.objectives:
