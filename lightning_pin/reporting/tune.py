@@ -43,6 +43,8 @@ QUANTITIES = {
     "optimizer.weight_decay": "weight decay",
     "optimizer": "optimizer",
     "data.batch_size": "batch size",
+    "trainer.max_epochs": "retraining epochs",
+    "pretrain.max_epochs": "pretraining epochs",
 }
 PERCENT = ("pin.rate", "pin.fraction", "weight_drift_relative")
 
@@ -151,8 +153,15 @@ def plot_trials(trials: Sequence[Mapping[str, Any]], best: int, objectives: Sequ
     maximize = objective.endswith("(max)")
     keys = [k for k in sorted({k for t in trials for k in t["params"]}) if k != _key(objective)]
     ordered = sorted(trials, key=lambda t: t["number"])
-    fig = Figure(figsize=(4.2 * (1 + len(keys)), 3.8), dpi=120)
-    axes = fig.subplots(1, 1 + len(keys), squeeze=False)[0]
+    # At most three panels a row: many parameters wrap onto more rows instead of a strip no page holds.
+    panels = 1 + len(keys)
+    columns, rows = min(3, panels), -(-panels // 3)
+    fig = Figure(figsize=(4.4 * columns, 3.6 * rows + 0.4), dpi=120)
+    grid = fig.subplots(rows, columns, squeeze=False)
+    axes = [ax for row in grid for ax in row]
+    for unused in axes[panels:]:
+        unused.set_visible(False)
+    axes = axes[:panels]
     numbers = [t["number"] for t in ordered]
     values = [_scale(objective, t["values"][0]) for t in ordered]
     so_far, running = [], None
@@ -166,7 +175,6 @@ def plot_trials(trials: Sequence[Mapping[str, Any]], best: int, objectives: Sequ
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(quantity(objective))
     ax.set_title(f"{quantity(objective)} by trial ({_direction(objective)})", fontsize=9)
-    ax.legend(fontsize=8)
     chosen = next(t for t in ordered if t["number"] == best)
     for ax, key in zip(axes[1:], keys):
         points = [(t["params"][key], _scale(objective, t["values"][0])) for t in ordered if key in t["params"]]
@@ -195,11 +203,12 @@ def plot_trials(trials: Sequence[Mapping[str, Any]], best: int, objectives: Sequ
         ax.set_xlabel(quantity(key))
         ax.set_ylabel(quantity(objective))
         ax.set_title(f"{quantity(objective)} against {quantity(key)}", fontsize=9)
-        ax.legend(fontsize=8)
     for ax in axes:
         ax.grid(alpha=0.3)
     left_out = f"; not drawn: {others}" if others else ""
-    fig.suptitle(f"lightning-pin tune: {len(trials)} complete trial(s), TPE sampler{left_out}", fontsize=10)
+    # The key in the title: legends inside small panels cover points wherever they go.
+    fig.suptitle(f"lightning-pin tune: {len(trials)} complete trial(s), TPE sampler{left_out}\n"
+                 f"dots: trials; red line: best so far; red ring: the best trial ({best})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     return path
