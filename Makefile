@@ -42,7 +42,7 @@ demo: $(STAMP)
 	$(PY) -m lightning_pin.train
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist loadgroup
 
 clean:
 	rm -rf $(VENV) lightning_logs outputs multirun .pytest_cache .hypothesis build dist lightning_pin.egg-info

@@ -2,7 +2,8 @@
 
 The handwritten digits (scikit-learn, no download) are split into 5 tasks of 2 classes (0/1, 2/3,
 ..., 8/9), task-incremental: one head per task on a shared trunk (with BatchNorm). The tasks are
-learned in sequence with one AdamW optimizer (weight decay 0.01) and one LR scheduler, in three ways:
+learned in sequence with one AdamW optimizer (weight decay 0.01; --optimizer adam for Adam) and one LR
+scheduler, in three ways:
 
 - naive: every weight trains on every task;
 - requires_grad=False: the tutorial's way: after a task, its layers (the trunk after task 1, each
@@ -11,12 +12,13 @@ learned in sequence with one AdamW optimizer (weight decay 0.01) and one LR sche
 - TaskOwnership: each task trains the free elements, prunes 75% of them (smallest magnitude) for
   later tasks, fine-tunes what it kept and owns it; pins hold every earlier task's elements bit
   for bit; each task's BatchNorm statistics are snapshotted; it is evaluated inside own.view(j).
+  --release keep starts the next task from the pruned weights' old values instead of 0.
 
 The optimizer, its parameter groups and its scheduler are created once and go on from task to
 task in all three: pin() attaches to the same optimizer and zeroes the statistics of the elements
 it newly holds. Writes continual_report.json and continual_accuracy.png (into --out).
 
-    python examples/continual_packnet.py [--out DIR] [--epochs N]
+    python examples/continual_packnet.py [--out DIR] [--epochs N] [--optimizer adamw|adam] [--release zero|keep]
 """
 
 from __future__ import annotations
@@ -89,16 +91,23 @@ def accuracy(model, data, task):
     return float((logits(model, data, task).argmax(1) == data[task]["test"][1]).float().mean())
 
 
-def setup(seed):
+#: The optimizers the tasks can be learned with: AdamW with weight decay 0.01 (the default), or Adam.
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=5e-3, weight_decay=0.01),
+    "adam": lambda params: torch.optim.Adam(params, lr=5e-3),
+}
+
+
+def setup(seed, optimizer_name="adamw"):
     torch.manual_seed(seed)
     model = MultiHead()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.01)
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.8)
     return model, optimizer, scheduler
 
 
-def naive(data, epochs, seed):
-    model, optimizer, scheduler = setup(seed)
+def naive(data, epochs, seed, optimizer_name="adamw"):
+    model, optimizer, scheduler = setup(seed, optimizer_name)
     log = AccuracyMatrix(TASKS)
     for task in range(1, TASKS + 1):
         train(model, optimizer, scheduler, data, task, epochs)
@@ -106,8 +115,8 @@ def naive(data, epochs, seed):
     return log
 
 
-def requires_grad_false(data, epochs, seed):
-    model, optimizer, scheduler = setup(seed)
+def requires_grad_false(data, epochs, seed, optimizer_name="adamw"):
+    model, optimizer, scheduler = setup(seed, optimizer_name)
     log = AccuracyMatrix(TASKS)
     frozen_trunk = None
     for task in range(1, TASKS + 1):
@@ -122,8 +131,8 @@ def requires_grad_false(data, epochs, seed):
     return log, moved
 
 
-def task_ownership(data, epochs, seed):
-    model, optimizer, scheduler = setup(seed)
+def task_ownership(data, epochs, seed, optimizer_name="adamw", release="zero"):
+    model, optimizer, scheduler = setup(seed, optimizer_name)
     own = TaskOwnership(model, "*", heads={t: f"heads.{t - 1}.*" for t in range(1, TASKS + 1)})
     log = AccuracyMatrix(TASKS)
     first_logits = None
@@ -132,7 +141,7 @@ def task_ownership(data, epochs, seed):
             train(model, optimizer, scheduler, data, task, epochs)
             handle.verify()
         if task < TASKS:  # the last task keeps everything left
-            own.prune(task, PRUNE)
+            own.prune(task, PRUNE, release=release)
             with pin(model, optimizer, own.pins(task)) as handle:  # retrain after pruning
                 train(model, optimizer, scheduler, data, task, max(epochs // 2, 1))
                 handle.verify()
@@ -151,12 +160,15 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/continual", help="directory for the JSON report and the heat map")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
+    parser.add_argument("--release", choices=("zero", "keep"), default="zero",
+                        help="what pruned weights start the next task from: 0, or the values they had")
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = split_digits(args.seed)
-    ownership, own, same_logits = task_ownership(data, args.epochs, args.seed)
-    frozen, moved = requires_grad_false(data, args.epochs, args.seed)
-    logs = {"naive fine-tuning": naive(data, args.epochs, args.seed), "requires_grad=False": frozen,
+    ownership, own, same_logits = task_ownership(data, args.epochs, args.seed, args.optimizer, args.release)
+    frozen, moved = requires_grad_false(data, args.epochs, args.seed, args.optimizer)
+    logs = {"naive fine-tuning": naive(data, args.epochs, args.seed, args.optimizer), "requires_grad=False": frozen,
             "TaskOwnership": ownership}
     methods = {name: log.to_dict() for name, log in logs.items()}
     for name, report in methods.items():
@@ -168,14 +180,15 @@ def main() -> None:
         written = write_continual_report(methods, Path(args.out), tasks=TASKS, prune_fraction=PRUNE,
                                          epochs=args.epochs, capacity_left=own.capacity())
     print()
-    print_comparison({"methods": methods}, "5 split-digits tasks, AdamW (weight decay 0.01)")
+    name = {"adamw": "AdamW (weight decay 0.01)", "adam": "Adam"}[args.optimizer]
+    print_comparison({"methods": methods}, f"5 split-digits tasks, {name}, pruned weights released at {args.release!r}")
 
     report = methods["TaskOwnership"]
     assert report["bwt"] == 0.0, report["bwt"]
     assert same_logits and report["fingerprints_unchanged"] is True
     assert methods["naive fine-tuning"]["bwt"] < 0.0
-    print(f"requires_grad=False: the trunk frozen after task 1 still moved by up to {moved:.3g} (AdamW's moments "
-          "and weight decay)")
+    print(f"requires_grad=False: the trunk frozen after task 1 still moved by up to {moved:.3g} (the optimizer's "
+          "moments and weight decay)")
     print("pins exact: verified")
     print(f"TaskOwnership: BWT {report['bwt']} exactly, task-1 logits identical after task 5: {same_logits}, "
           f"fingerprints unchanged: {report['fingerprints_unchanged']}")

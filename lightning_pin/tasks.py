@@ -45,12 +45,14 @@ from lightning_pin.core.spec import Pin
 __all__ = ["AccuracyMatrix", "TaskOwnership"]
 
 _FORMAT = "lightning_pin.tasks"
-_VERSION = 1
+_VERSION = 2  # 2: the values prune(release="keep") set aside
+_READS = (1, 2)
 # Task ids up to 255 fit a byte per element; torch's CPU kernels lack comparisons on uint16, so
 # more tasks take int16 (up to 32767).
 _DTYPES = ((255, torch.uint8), (32767, torch.int16))
 _TRAINING, _PRUNED, _COMMITTED = "training", "pruned", "committed"
 _NORM_MODES = ("per_task", "first")
+_RELEASES = ("zero", "keep")
 
 
 def _norm_types() -> tuple[type, ...]:
@@ -167,6 +169,9 @@ class TaskOwnership:
         }
         self._status: dict[int, str] = {}
         self._norm_snapshots: dict[int, dict[str, Tensor]] = {}
+        # prune(release="keep"): per parameter, the pruned positions (flat) and their values
+        # before the prune, written back at commit().
+        self._released: dict[str, tuple[Tensor, Tensor]] = {}
         loose = [n for n, p in self.module.named_parameters()
                  if p.requires_grad and n not in self.parameters and n not in norm_params and n not in head_names]
         if loose:
@@ -281,22 +286,34 @@ class TaskOwnership:
         return pins
 
     @torch.no_grad()
-    def prune(self, task: int, fraction: float) -> dict[str, int]:
+    def prune(self, task: int, fraction: float, *, release: Literal["zero", "keep"] = "zero") -> dict[str, int]:
         """Zero the ``fraction`` of ``task``'s trained elements with the smallest magnitude.
 
         Per parameter, of the free elements (those ``task`` trained), ``round(fraction * n)``
         with the smallest ``|w|`` (ties broken by a permutation seeded with ``seed`` and the
         parameter's name: the same on every rank) are set to zero and stay free for later tasks;
-        the others become owned by ``task``. Fine-tune ``task`` with :meth:`pins` afterwards.
+        the others become owned by ``task``. Fine-tune ``task`` with :meth:`pins` afterwards (the
+        pruned elements are held at zero, as ``task``'s views read them).
         Returns the number of pruned elements per parameter.
 
+        ``release`` says what the pruned elements start the next task from: ``"zero"`` (they
+        stay 0), or ``"keep"``: :meth:`commit` writes back the values they had before the prune,
+        so the next task starts from what ``task`` learned there (``task`` itself never sees
+        them: its fine-tuning and its views read 0).
+
         Raises:
-            PinError: ``fraction`` is not in ``[0, 1]``, or ``task`` is not in training (never
-                trained, already pruned or committed). No weight changes then.
+            PinError: ``fraction`` is not in ``[0, 1]``, ``release`` is neither ``"zero"`` nor
+                ``"keep"``, or ``task`` is not in training (never trained, already pruned or
+                committed). No weight changes then.
         """
         task = self._check_task(task, "prune")
         if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 <= float(fraction) <= 1:
             raise PinError(f"TaskOwnership.prune({task}, {fraction!r}): fraction must be a number in [0, 1]")
+        if release not in _RELEASES:
+            raise PinError(
+                f"TaskOwnership.prune({task}, {fraction!r}, release={release!r}): release must be one of {_RELEASES} "
+                "('zero': the pruned elements start the next task at 0; 'keep': at the values they had)"
+            )
         self._require_status(task, "prune", (_TRAINING,))
         self._follow_parameters("prune")
         plans = {}
@@ -307,11 +324,14 @@ class TaskOwnership:
             magnitude = values.abs().to(torch.float64 if values.dtype == torch.float64 else torch.float32)
             magnitude = magnitude.nan_to_num(nan=math.inf)  # a NaN weight is pruned last, not never
             plans[name] = (free, free[_smallest(magnitude, count, _name_seed(name, self.seed))])
+        self._released = {}
         for name, (free, pruned) in plans.items():
             owner = self.owner[name].view(-1)  # made contiguous in __init__
             owner[free] = task
             owner[pruned] = 0
             parameter = self.parameters[name]
+            if release == "keep":  # written back by commit(), once task's fine-tuning is over
+                self._released[name] = (pruned.cpu().clone(), parameter.detach().reshape(-1)[pruned].cpu().clone())
             # A mask in the parameter's shape: writes through any layout (channels_last included).
             zero = torch.zeros(parameter.numel(), dtype=torch.bool, device=parameter.device)
             zero[pruned] = True
@@ -332,6 +352,16 @@ class TaskOwnership:
         if status == _TRAINING:
             for owner in self.owner.values():
                 owner.masked_fill_(owner == 0, task)
+        for name, (positions, values) in self._released.items():
+            # prune(release="keep"): the next task starts the freed elements from their old values.
+            parameter = self.parameters[name]
+            flat = torch.zeros(parameter.numel(), dtype=parameter.dtype, device=parameter.device)
+            flat[positions.to(parameter.device)] = values.to(parameter.device, parameter.dtype)
+            chosen = torch.zeros(parameter.numel(), dtype=torch.bool, device=parameter.device)
+            chosen[positions.to(parameter.device)] = True
+            # Through a mask in the parameter's shape: writes through any layout (channels_last).
+            parameter.copy_(torch.where(chosen.view(parameter.shape), flat.view(parameter.shape), parameter))
+        self._released = {}
         self._norm_snapshots[task] = {key: t.detach().clone() for key, t in self._norm_tensors().items()}
         self._status[task] = _COMMITTED
 
@@ -440,6 +470,8 @@ class TaskOwnership:
             "norm_snapshots": {str(t): {k: v.cpu().clone() for k, v in s.items()}
                                for t, s in sorted(self._norm_snapshots.items())},
             "heads": {str(t): list(names) for t, names in sorted(self.heads.items())},
+            "released": {name: {"index": index.clone(), "values": values.clone()}
+                         for name, (index, values) in self._released.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -452,9 +484,9 @@ class TaskOwnership:
         if not isinstance(state, Mapping) or state.get("format") != _FORMAT:
             raise PinError("TaskOwnership.load_state_dict: not a TaskOwnership state (no format "
                            f"{_FORMAT!r}); pass what own.state_dict() returned")
-        if state.get("version") != _VERSION:
+        if state.get("version") not in _READS:
             raise PinError(f"TaskOwnership.load_state_dict: state version {state.get('version')!r}, "
-                           f"this version reads {_VERSION}")
+                           f"this version reads {list(_READS)}")
         owner = state["owner"]
         if sorted(owner) != sorted(self.owner):
             raise PinError(f"TaskOwnership.load_state_dict: the state owns parameters {sorted(owner)}, this "
@@ -475,10 +507,24 @@ class TaskOwnership:
             if sorted(snapshot) != sorted(live):
                 raise PinError("TaskOwnership.load_state_dict: the saved normalization snapshots cover "
                                f"{sorted(snapshot)}, this module has {sorted(live)}")
+        status = {int(t): str(s) for t, s in state["status"].items()}
+        for name, saved in owner.items():
+            # An element owned by a task the state has no status for: the map and the task list disagree.
+            unknown = sorted(set(saved.unique().tolist()) - {0} - set(status))
+            if unknown:
+                raise PinError(f"TaskOwnership.load_state_dict: the owner map of {name!r} names task(s) {unknown[:5]} "
+                               f"that the state has no status for (it lists {sorted(status) or 'none'}); the state is "
+                               "corrupt or edited: save it again with own.state_dict()")
+        released = state.get("released", {})  # version 1 had none
+        for name, entry in released.items():
+            if name not in self.owner or tuple(entry["index"].shape) != tuple(entry["values"].shape):
+                raise PinError(f"TaskOwnership.load_state_dict: the saved values released by prune for {name!r} do "
+                               f"not fit this ownership (parameters {sorted(self.owner)})")
         self.seed = int(state["seed"])
         for name, saved in owner.items():
             self.owner[name].copy_(saved)
-        self._status = {int(t): str(s) for t, s in state["status"].items()}
+        self._status = status
+        self._released = {name: (entry["index"].clone(), entry["values"].clone()) for name, entry in released.items()}
         self._norm_snapshots = {int(t): {k: v.to(live[k].device) for k, v in s.items()}
                                 for t, s in state["norm_snapshots"].items()}
 
@@ -488,6 +534,7 @@ class TaskOwnership:
         self.__dict__.update(state)
         self.owner = {name: owner.clone() for name, owner in self.owner.items()}
         self._norm_snapshots = {t: {k: v.clone() for k, v in s.items()} for t, s in self._norm_snapshots.items()}
+        self._released = {n: (i.clone(), v.clone()) for n, (i, v) in self.__dict__.get("_released", {}).items()}
 
     def __repr__(self) -> str:
         return (f"TaskOwnership({len(self.owner)} parameters, tasks: {self._describe()}, "
@@ -531,6 +578,10 @@ class AccuracyMatrix:
     Call :meth:`measure` after each task; with ``own`` it evaluates each task inside
     ``own.view(j)`` and records the fingerprints of the committed tasks.
 
+    Args:
+        tasks: How many tasks (ids ``1..tasks``), or the task ids themselves in the order they
+            are learned (``[1, 5, 9]``) when they are not ``1, 2, 3, ...``.
+
     Example::
 
         >>> log = AccuracyMatrix(3)
@@ -538,13 +589,30 @@ class AccuracyMatrix:
         ...     _ = log.measure(i, lambda j: [0.9, 0.8, 0.7][j - 1] - 0.1 * (i - j))
         >>> round(log.bwt(), 6), round(log.average_accuracy(), 6)
         (-0.15, 0.7)
+        >>> log = AccuracyMatrix(5)
+        >>> log.measure(1, lambda j: 0.9)
+        [0.9]
+        >>> log.measure(5, lambda j: 0.9)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_pin.core.errors.PinError: AccuracyMatrix.measure(5): no row was measured for task(s) [2, 3, 4] ...
     """
 
-    def __init__(self, tasks: int) -> None:
-        if isinstance(tasks, bool) or not isinstance(tasks, numbers.Integral) or tasks < 1:
-            raise PinError(f"AccuracyMatrix: tasks must be a positive integer, got {tasks!r}")
-        self.tasks = int(tasks)
-        #: ``matrix[i-1][j-1]``: accuracy on task j after task i; None where not measured.
+    def __init__(self, tasks: Union[int, Sequence[int]]) -> None:
+        if isinstance(tasks, Sequence) and not isinstance(tasks, (str, bytes)):
+            ids = list(tasks)
+            whole = all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 1 for t in ids)
+            if not ids or not whole or any(b <= a for a, b in zip(ids, ids[1:])):
+                raise PinError(f"AccuracyMatrix: task ids must be increasing positive integers, got {tasks!r}")
+        elif isinstance(tasks, bool) or not isinstance(tasks, numbers.Integral) or tasks < 1:
+            raise PinError(f"AccuracyMatrix: tasks must be a positive integer or a list of task ids, got {tasks!r}")
+        else:
+            ids = list(range(1, int(tasks) + 1))
+        #: The task ids, in the order they are learned (rows and columns of :attr:`matrix`).
+        self.task_ids: list[int] = [int(t) for t in ids]
+        self.tasks = len(self.task_ids)
+        #: ``matrix[i][j]``: accuracy on the j-th task after the i-th (0-based positions in
+        #: :attr:`task_ids`); None where not measured.
         self.matrix: list[list[Optional[float]]] = [[None] * self.tasks for _ in range(self.tasks)]
         #: Per task trained so far: the fingerprint of every committed task right after it.
         self.fingerprints: dict[int, dict[int, str]] = {}
@@ -552,15 +620,40 @@ class AccuracyMatrix:
     def measure(
         self, after: int, evaluate: Callable[[int], float], own: Optional[TaskOwnership] = None
     ) -> list[float]:
-        """Record ``evaluate(j)`` for tasks ``j = 1..after`` (inside ``own.view(j)`` when given)."""
-        if not 1 <= after <= self.tasks:
-            raise PinError(f"AccuracyMatrix.measure: after must be in [1, {self.tasks}], got {after!r}")
+        """Record ``evaluate(j)`` for every task ``j`` up to ``after`` (inside ``own.view(j)`` when given).
+
+        Raises:
+            PinError: ``after`` is not one of the task ids, a task before it has no row yet (ids
+                that skip, 1 then 5, must be declared: ``AccuracyMatrix([1, 5])``), or
+                ``evaluate`` returned something that is not a finite-or-infinite number (NaN, None).
+                Nothing is recorded then.
+        """
+        if isinstance(after, bool) or after not in self.task_ids:
+            raise PinError(f"AccuracyMatrix.measure: after must be one of the task ids {self.task_ids}, got {after!r}")
+        position = self.task_ids.index(after)
+        missing = [t for i, t in enumerate(self.task_ids[:position]) if self.matrix[i][i] is None]
+        if missing:
+            raise PinError(
+                f"AccuracyMatrix.measure({after}): no row was measured for task(s) {missing} before it. Measure after "
+                "every task in order, or, if the task ids skip, declare the ones learned: "
+                f"AccuracyMatrix({[t for t in self.task_ids if t not in missing]})"
+            )
         row = []
-        for j in range(1, after + 1):
+        for j in self.task_ids[: position + 1]:
             context = own.view(j) if own is not None else contextlib.nullcontext()
             with context:
-                row.append(float(evaluate(j)))
-        self.matrix[after - 1][:after] = row
+                result = evaluate(j)
+            try:
+                value = float(result)
+            except (TypeError, ValueError) as err:
+                raise PinError(
+                    f"AccuracyMatrix.measure({after}): evaluate({j}) returned {result!r}, not a number"
+                ) from err
+            if math.isnan(value):
+                raise PinError(f"AccuracyMatrix.measure({after}): evaluate({j}) returned NaN; an accuracy must be a "
+                               "number (a NaN loss or an empty test set?)")
+            row.append(value)
+        self.matrix[position][: position + 1] = row
         if own is not None:
             self.fingerprints[after] = {j: own.fingerprint(j) for j in own.committed}
         return row
@@ -569,16 +662,33 @@ class AccuracyMatrix:
         rows = [i for i, row in enumerate(self.matrix) if row[i] is not None]
         if not rows:
             raise PinError("AccuracyMatrix: nothing measured yet")
-        return rows[-1]
+        last = rows[-1]
+        # Rows before the last need their diagonal (R[j][j]); the last row needs every entry.
+        needed = [(i, i) for i in range(last)] + [(last, j) for j in range(last + 1)]
+        for i, j in needed:
+            if self.matrix[i][j] is None:
+                raise PinError(
+                    f"AccuracyMatrix: the row after task {self.task_ids[i]} has no accuracy for task "
+                    f"{self.task_ids[j]} (never measured); measure(after={self.task_ids[i]}, ...) fills it"
+                )
+        return last
 
     def average_accuracy(self) -> float:
-        """Mean accuracy over tasks ``1..T`` after the last measured task ``T``."""
+        """Mean accuracy over the tasks up to the last measured task ``T``, after ``T``.
+
+        Raises:
+            PinError: nothing was measured, or a row it needs was never measured.
+        """
         last = self._last()
         return sum(self.matrix[last][: last + 1]) / (last + 1)  # type: ignore[arg-type]
 
     def bwt(self) -> float:
         """Backward transfer ``1/(T-1) * sum_{j<T} (R[T][j] - R[j][j])`` (0.0 for one task):
-        negative when learning later tasks made earlier ones worse."""
+        negative when learning later tasks made earlier ones worse.
+
+        Raises:
+            PinError: nothing was measured, or a row it needs was never measured (named).
+        """
         last = self._last()
         if last == 0:
             return 0.0
@@ -597,6 +707,7 @@ class AccuracyMatrix:
         measured = any(self.matrix[i][i] is not None for i in range(self.tasks))
         return {
             "tasks": self.tasks,
+            "task_ids": list(self.task_ids),
             "matrix": [list(row) for row in self.matrix],
             "average_accuracy": self.average_accuracy() if measured else math.nan,
             "bwt": self.bwt() if measured else math.nan,

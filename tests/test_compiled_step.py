@@ -29,6 +29,10 @@ OPTIMIZERS = {
 }
 WEIGHT_AT = [(0, 0), (2, 3), (4, 5)]
 
+# Under pytest-xdist (make test) these tests share one worker, so inductor's first compile of the session,
+# tens of seconds of imports and C++ toolchain probing, is paid once and not by every worker.
+pytestmark = pytest.mark.xdist_group("inductor")
+
 
 def _model() -> nn.Module:
     torch.manual_seed(0)

@@ -116,7 +116,10 @@ def test_save_merges_pins_on_one_parameter(tmp_path):
     assert torch.equal(saved["w:high"], torch.tensor([math.inf, 1.0, math.inf, math.inf]).double())
     assert torch.equal(saved["v:indices"], torch.tensor([[0, 0], [1, 1]]))
     assert torch.equal(saved["v:value"], torch.tensor([1.0, 2.0]))
-    assert saved.keys() == {"w:indices", "w:stuck_at_zero", "w:stuck_at_one", "w:low", "w:high", "v:indices", "v:value"}
+    assert torch.equal(saved["v:shape"], torch.tensor([2, 2]))  # the mask tells v's shape; w's indices do not
+    assert saved.keys() == {
+        "w:indices", "w:stuck_at_zero", "w:stuck_at_one", "w:low", "w:high", "v:indices", "v:value", "v:shape"
+    }
 
 
 @pytest.mark.parametrize(
@@ -169,7 +172,7 @@ def test_save_resolves_any_pin_on_a_module(tmp_path):
             for field in ("stuck_at_zero", "stuck_at_one", "low", "high"):
                 assert getattr(s, field) is None or torch.equal(getattr(s, field), getattr(t, field))
     with pytest.raises(PinError, match="when, start_step and stop_step cannot be saved"):
-        save_fault_map([Pin("0.bias", stop_step=4)], tmp_path / "m.pt", module=module)
+        save_fault_map([Pin("0.bias", stop_step=4)], tmp_path / "m.pt", module=module, overwrite=True)
 
 
 def test_save_refuses_other_suffixes(tmp_path):
@@ -280,3 +283,113 @@ def test_dense_maps_round_trip_through_save_and_load(tmp_path_factory, shape, dt
         for field in ("values", "stuck_at_zero", "stuck_at_one", "low", "high"):
             assert (getattr(s, field) is None) == (getattr(t, field) is None)
             assert getattr(s, field) is None or torch.equal(getattr(s, field), getattr(t, field))
+
+
+# --------------------------------------------------------------------------------------------
+# Overwriting, and the shape of each parameter recorded in the file
+
+
+def test_save_fault_map_refuses_to_overwrite_an_existing_file_unless_asked(tmp_path):
+    module = net()
+    pins = cell_faults(module, "2.weight", rate=0.2, seed=1)
+    path = tmp_path / "chip.safetensors"
+    path.write_bytes(b"my measurements")
+    with pytest.raises(PinError, match=r"chip.safetensors already exists.*overwrite=True"):
+        save_fault_map(pins, path, module=module)
+    assert path.read_bytes() == b"my measurements"
+    with pytest.raises(PinError, match="already exists"):  # refused before the pins are even looked at
+        save_fault_map([Pin("*", fraction=0.5)], path)
+    assert path.read_bytes() == b"my measurements"
+    save_fault_map(pins, path, module=module, overwrite=True)
+    assert torch.equal(load_fault_map(path)[0].value, pins[0].value)
+    (tmp_path / "folder.pt").mkdir()
+    with pytest.raises(PinError, match="is a directory"):
+        save_fault_map(pins, tmp_path / "folder.pt", overwrite=True)
+
+
+def _wide() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(32, 3))  # 2.weight: 3 x 32, not 3 x 16
+
+
+@pytest.mark.parametrize("kind", ["cell", "bit"])
+def test_a_sparse_map_records_each_shape_and_refuses_a_layer_of_another_shape(tmp_path, kind):
+    module = net()
+    draw = cell_faults if kind == "cell" else bit_faults
+    pins = draw(module, "2.weight", rate=0.1, seed=3)
+    path = save_fault_map(pins, tmp_path / "chip.safetensors", module=module)
+    raw = load_fault_map.__globals__["load_tensors"](path)
+    assert torch.equal(raw["2.weight:shape"], torch.tensor([3, 16]))
+    loaded = load_fault_map(path)
+    assert loaded.shapes == {"2.weight": (3, 16)}
+    with pytest.raises(PinError, match=r"mask for '2.weight' has shape \(3, 16\); the parameter's shape is \(3, 32\)"):
+        resolve(list(loaded), _wide())
+    # On the layer it was measured on, the same elements and targets as the pins it was saved from.
+    fields = ("values",) if kind == "cell" else ("stuck_at_zero", "stuck_at_one")
+    (before,), (after,) = (list(resolve(list(p), module).pins[0].selections.values()) for p in (pins, loaded))
+    assert torch.equal(before.index, after.index)
+    for field in fields:
+        assert torch.equal(getattr(before, field), getattr(after, field)), field
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1, weight_decay=0.1)
+    with pin(module, optimizer, loaded) as handle:
+        for _ in range(2):
+            module(torch.randn(2, 1, 4, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        handle.verify()
+
+
+def test_shapes_come_from_masks_and_whole_tensors_without_a_module(tmp_path):
+    mask = torch.zeros(3, 16, dtype=torch.bool)
+    mask[0, 5] = mask[2, 15] = True
+    pins = [Pin("2.weight", mask=mask, value=[1.0, 2.0]), Pin("2.bias", value=torch.tensor([0.0, 1.0, 2.0]))]
+    loaded = load_fault_map(save_fault_map(pins, tmp_path / "m.pt"))
+    assert loaded.shapes == {"2.weight": (3, 16), "2.bias": (3,)}
+    with pytest.raises(PinError, match=r"shape \(3, 16\); the parameter's shape is \(3, 32\)"):
+        resolve(list(loaded), _wide())
+    resolved = targets(loaded, net())
+    assert torch.equal(resolved["2.weight"][0], torch.tensor([5, 47])) and torch.equal(
+        resolved["2.weight"][1], torch.tensor([1.0, 2.0]))
+    # Pins of one parameter that disagree on its shape, or coordinates outside it, are refused.
+    other = Pin("2.weight", mask=torch.ones(3, 8, dtype=torch.bool), value=0.0)
+    with pytest.raises(PinError, match=r"the pins on '2.weight' do not agree on its shape: .* \(3, 8\) and as \(3, 16"):
+        save_fault_map([pins[0], other], tmp_path / "x.pt")
+    with pytest.raises(PinError, match=r"element \(0, 20\) of '2.weight' is outside its shape \(3, 16\)"):
+        save_fault_map([pins[0], Pin("2.weight", indices=[(0, 20)], value=0.0)], tmp_path / "y.pt")
+
+
+def test_an_older_sparse_map_without_shapes_still_loads_as_coordinates(tmp_path):
+    module = net()
+    pins = cell_faults(module, "2.weight", rate=0.1, seed=3)
+    path = save_fault_map(pins, tmp_path / "chip.pt", module=module)
+    raw = torch.load(path, weights_only=True)
+    del raw["2.weight:shape"]
+    torch.save(raw, tmp_path / "old.pt")
+    (old,) = load_fault_map(tmp_path / "old.pt")
+    assert old.indices is not None and old.mask is None
+    assert load_fault_map(tmp_path / "old.pt").shapes == {}
+    assert torch.equal(targets([old], module)["2.weight"][1], targets(pins, module)["2.weight"][1])
+
+
+@pytest.mark.parametrize(
+    ("shape", "words"),
+    [
+        (torch.tensor([3.0, 16.0]), "must be the parameter's shape as non-negative integers"),
+        (torch.tensor([3, 4]), r"element \(0, 5\) of '2.weight' is outside the recorded shape \(3, 4\)"),
+        (torch.tensor([3, 16, 1]), "coordinates of 2 dimensions, the recorded shape has 3"),
+    ],
+)
+def test_a_recorded_shape_that_does_not_fit_its_coordinates_is_refused(tmp_path, shape, words):
+    raw = {"2.weight:indices": torch.tensor([[0, 5], [2, 15]]), "2.weight:value": torch.tensor([1.0, 2.0]),
+           "2.weight:shape": shape}
+    torch.save(raw, tmp_path / "m.pt")
+    with pytest.raises(PinError, match=words):
+        load_fault_map(tmp_path / "m.pt")
+
+
+def test_a_recorded_shape_lists_each_element_once(tmp_path):
+    raw = {"2.weight:indices": torch.tensor([[0, 5], [0, 5]]), "2.weight:value": torch.tensor([1.0, 2.0]),
+           "2.weight:shape": torch.tensor([3, 16])}
+    torch.save(raw, tmp_path / "m.pt")
+    with pytest.raises(PinError, match=r"lists element \(0, 5\) of '2.weight' twice"):
+        load_fault_map(tmp_path / "m.pt")

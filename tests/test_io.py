@@ -126,3 +126,53 @@ def test_table_rows_must_fit_the_columns():
         tables.print_table(COLUMNS, [["a", "1"], ["b"]])
     with pytest.raises(ValueError, match="row_styles has 1 entries for 2 rows"):
         tables.print_table(COLUMNS, ROWS, row_styles=["dim"])
+
+
+# --------------------------------------------------------------------------------------------
+# Value and mask files keyed by name: one rule for what a key names
+
+
+def _bn_net() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+
+
+@pytest.mark.parametrize("key", ["1.running_mean", "1.running_var", "1", "2"])
+@pytest.mark.parametrize("field", ["value", "mask"])
+def test_a_one_entry_file_under_a_buffer_or_submodule_name_is_not_applied_to_another_parameter(tmp_path, key, field):
+    # The single-entry fallback (a one-tensor file under a name the module does not know) must not
+    # take a key that names a buffer or a submodule: its entry fits 0.bias by shape only.
+    model = _bn_net()
+    entry = torch.tensor([1.0, 2.0, 3.0]) if field == "value" else torch.tensor([True, False, True])
+    torch.save({key: entry}, tmp_path / "f.pt")
+    before = model[0].bias.detach().clone()
+    words = rf"{field} has no entry for parameter '0.bias'; its keys are \['{key}'\], and \['{key}'\] name other"
+    with pytest.raises(PinError, match=words):
+        resolve([Pin("0.bias", **{field: str(tmp_path / "f.pt")})], model)
+    assert torch.equal(model[0].bias.detach(), before)
+    # A key that names nothing in the module still serves the one parameter, by shape.
+    torch.save({"stuck": entry}, tmp_path / "g.pt")
+    resolve([Pin("0.bias", **{field: str(tmp_path / "g.pt")})], model)
+
+
+@pytest.mark.parametrize("field", ["value", "mask"])
+def test_a_file_keyed_like_a_compiled_modules_state_dict_serves_the_compiled_module(tmp_path, field):
+    from lightning_pin import pin
+
+    model = _bn_net()
+    compiled = torch.compile(model)
+    value = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    mask[1, 2] = True
+    torch.save({"_orig_mod.0.weight": value if field == "value" else mask, "_orig_mod.2.bias": torch.zeros(2)},
+               tmp_path / "f.pt")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    given = {field: str(tmp_path / "f.pt")} if field == "value" else {"mask": str(tmp_path / "f.pt"), "value": 7.0}
+    with pin(compiled, optimizer, Pin("0.weight", **given)) as handle:
+        expected = value if field == "value" else torch.where(mask, torch.tensor(7.0), model[0].weight.detach())
+        assert torch.equal(model[0].weight.detach(), expected)
+        handle.verify()
+    # The same names with and without the prefix must agree.
+    torch.save({"_orig_mod.0.weight": value, "0.weight": value + 1}, tmp_path / "both.pt")
+    with pytest.raises(PinError, match=r"different entries for '0.weight' and '_orig_mod.0.weight'"):
+        resolve([Pin("0.weight", value=str(tmp_path / "both.pt"))], model)

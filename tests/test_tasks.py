@@ -489,3 +489,131 @@ def test_tasks_module_imports_torch_and_core_only():
                  "lightning_pin.app", "lightning_pin.reporting")
     assert sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden)) == []
     assert "lightning_pin.core.plan" in names  # the check looks at the real imports
+
+
+# ------------------------------------------------------------------------------------------
+# prune(release=...): what the pruned elements start the next task from
+
+
+@pytest.mark.parametrize("release", ["zero", "keep"])
+def test_prune_release_zero_or_keep_the_old_values_for_the_next_task(release):
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+    own = TaskOwnership(model, ["fc1.weight", "fc2.weight"])
+    run_phase(model, optimizer, own, 1, 3)
+    before = model.fc1.weight.detach().clone()
+    own.prune(1, 0.5, release=release)
+    freed = own.owner["fc1.weight"] == 0
+    assert int(freed.sum()) == 36
+    assert torch.equal(model.fc1.weight.detach()[freed], torch.zeros(36))  # task 1 fine-tunes without them
+    run_phase(model, optimizer, own, 1, 3)
+    assert torch.equal(model.fc1.weight.detach()[freed], torch.zeros(36))
+    kept = model.fc1.weight.detach()[~freed].clone()
+    first = probe(model, own, 1)
+    own.commit(1)
+    after = model.fc1.weight.detach()
+    expected = before[freed] if release == "keep" else torch.zeros(36)
+    assert torch.equal(after[freed], expected)       # the next task's starting point
+    assert torch.equal(after[~freed], kept)          # task 1's own elements untouched
+    assert torch.equal(probe(model, own, 1), first)  # task 1's view still reads its freed elements as 0
+    run_phase(model, optimizer, own, 2, 2)
+    assert torch.equal(model.fc1.weight.detach()[~freed], kept)
+
+
+@pytest.mark.filterwarnings("ignore:TaskOwnership")
+def test_prune_release_keep_survives_a_state_dict_round_trip_between_prune_and_commit():
+    model = Net()
+    own = TaskOwnership(model, "fc1.weight")
+    own.pins(1)
+    before = model.fc1.weight.detach().clone()
+    own.prune(1, 0.25, release="keep")
+    buffer = io.BytesIO()
+    torch.save(own.state_dict(), buffer)
+    buffer.seek(0)
+    again = TaskOwnership(model, "fc1.weight")
+    again.load_state_dict(torch.load(buffer, weights_only=True))
+    again.commit(1)
+    assert torch.equal(model.fc1.weight.detach(), before)  # every freed element back at its old value
+
+
+@pytest.mark.filterwarnings("ignore:TaskOwnership")
+def test_prune_release_must_be_zero_or_keep_and_changes_nothing_otherwise():
+    model = Net()
+    own = TaskOwnership(model, "fc1.weight")
+    own.pins(1)
+    before = state(model)
+    with pytest.raises(PinError, match=r"release must be one of \('zero', 'keep'\)"):
+        own.prune(1, 0.5, release="restore")
+    assert_same(state(model), before)
+    assert int((own.owner["fc1.weight"] != 0).sum()) == 0
+    own.prune(1, 0.5)  # still in training: the refused call changed nothing
+
+
+@pytest.mark.filterwarnings("ignore:TaskOwnership")
+def test_a_version_1_state_without_released_values_still_loads():
+    model = Net()
+    own = TaskOwnership(model, "fc1.weight")
+    own.pins(1)
+    own.commit(1)
+    saved = own.state_dict()
+    saved["version"] = 1
+    del saved["released"]
+    again = TaskOwnership(model, "fc1.weight")
+    again.load_state_dict(saved)
+    assert again.committed == [1]
+
+
+@pytest.mark.filterwarnings("ignore:TaskOwnership")
+def test_a_loaded_owner_map_naming_a_task_without_status_is_refused():
+    model = Net()
+    own = TaskOwnership(model, "fc1.weight")
+    own.pins(1)
+    own.commit(1)
+    saved = own.state_dict()
+    saved["owner"]["fc1.weight"][0, 0] = 4
+    fresh = TaskOwnership(model, "fc1.weight")
+    with pytest.raises(PinError, match=r"owner map of 'fc1.weight' names task\(s\) \[4\] that the state has no status"):
+        fresh.load_state_dict(saved)
+    assert fresh.committed == [] and int(fresh.owner["fc1.weight"].count_nonzero()) == 0
+
+
+# ------------------------------------------------------------------------------------------
+# AccuracyMatrix: rows never measured, NaN, task ids that skip
+
+
+def test_accuracy_matrix_names_a_row_never_measured():
+    log = AccuracyMatrix(3)
+    log.matrix[2] = [0.9, 0.8, 0.7]  # the row after task 3, written without the rows before it
+    with pytest.raises(PinError, match=r"the row after task 1 has no accuracy for task 1 \(never measured\)"):
+        log.bwt()
+    with pytest.raises(PinError, match="the row after task 1"):
+        log.average_accuracy()
+    with pytest.raises(PinError, match="nothing measured yet"):
+        AccuracyMatrix(2).bwt()
+
+
+def test_accuracy_matrix_refuses_task_ids_that_skip_unless_declared():
+    log = AccuracyMatrix(5)
+    log.measure(1, lambda j: 0.9)
+    words = r"measure\(5\): no row was measured for task\(s\) \[2, 3, 4\].*AccuracyMatrix\(\[1, 5\]\)"
+    with pytest.raises(PinError, match=words):
+        log.measure(5, lambda j: 0.8)
+    assert log.matrix[4] == [None] * 5  # nothing recorded
+    declared = AccuracyMatrix([1, 5])
+    declared.measure(1, lambda j: 0.9)
+    assert declared.measure(5, lambda j: {1: 0.7, 5: 0.8}[j]) == [0.7, 0.8]
+    assert declared.bwt() == pytest.approx(-0.2) and declared.to_dict()["task_ids"] == [1, 5]
+    with pytest.raises(PinError, match=r"after must be one of the task ids \[1, 5\], got 3"):
+        declared.measure(3, lambda j: 0.5)
+    for bad in ([], [2, 1], [0, 1], [1, 1.5]):
+        with pytest.raises(PinError, match="task ids must be increasing positive integers"):
+            AccuracyMatrix(bad)
+
+
+@pytest.mark.parametrize("result", [float("nan"), None, "high"])
+def test_accuracy_matrix_refuses_an_accuracy_that_is_not_a_number(result):
+    log = AccuracyMatrix(2)
+    log.measure(1, lambda j: 0.9)
+    with pytest.raises(PinError, match=r"measure\(2\): evaluate\(2\) returned"):
+        log.measure(2, lambda j: 0.5 if j == 1 else result)
+    assert log.matrix[1] == [None, None]  # nothing recorded

@@ -120,7 +120,7 @@ def save_faults(pins: Sequence[Pin], module: nn.Module, path: Union[str, Path]) 
     except (ImportError, AttributeError):
         save = None
     if save is not None:
-        save(list(pins), str(path))
+        save(list(pins), str(path), module=module, overwrite=True)  # a rerun of the job writes it again
         return
     faults: dict[str, Tensor] = {}
     for resolved in resolve(list(pins), module).pins:

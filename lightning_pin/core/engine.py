@@ -400,8 +400,9 @@ class PinEngine:
         self._restore_hooks[handle.id] = (hook, wants_stats)
         return handle
 
-    def register_grad_hooks(self) -> list[RemovableHandle]:
-        """Zero the gradients of active pinned elements as soon as backward accumulates them.
+    def register_grad_hooks(self, names: Optional[Iterable[str]] = None) -> list[RemovableHandle]:
+        """Zero the gradients of active pinned elements as soon as backward accumulates them
+        (of the pinned parameters ``names``, default: all that require grad).
 
         For drivers without an "after backward" moment (plain loops, Fabric): each pinned
         parameter gets a ``register_post_accumulate_grad_hook``, so pinned gradients are zero when
@@ -410,10 +411,11 @@ class PinEngine:
         accumulation, after these). Wholly pinned tensors get a zero gradient here (DDP expects
         one); :meth:`drop_whole_grads` drops it right before the step.
         """
+        chosen = None if names is None else set(names)
         return [
             parameter.register_post_accumulate_grad_hook(self._grad_hook(name))
             for name, parameter in self.plan.parameters.items()
-            if parameter.requires_grad
+            if parameter.requires_grad and (chosen is None or name in chosen)
         ]
 
     def _grad_hook(self, name: str) -> Callable[[Tensor], None]:

@@ -14,7 +14,11 @@ instead of Lightning's:
   weight decay and state included) and checks that ``when`` pins were decided for this batch;
 - a step post-hook writes every pinned value back right after each real step (a step the scaler
   skips runs no hook and changes no weight), counts the steps of the first optimizer, and forces
-  the values of pins whose window starts at the next step, so that step's forward sees them.
+  the values of pins whose window starts at the next step, so that step's forward sees them;
+- a global step pre-hook (torch's ``register_optimizer_step_pre_hook``, which sees every
+  optimizer) refuses the step of an optimizer the handle was not given that would update a
+  pinned parameter, before the update lands. Param groups added to the handle's optimizers after
+  :func:`pin` (progressive unfreezing with ``add_param_group``) are covered from their first step.
 
 A step that ``torch.amp.GradScaler`` skips (inf/NaN gradients) calls no ``step()`` of a
 for-loop or foreach optimizer: no hook runs and ``handle.step`` does not count it. A fused
@@ -32,6 +36,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pin.core.backward_end import EndOfBackward
@@ -182,11 +187,25 @@ class PinHandle:
         self._end_of_backward: Optional[EndOfBackward] = None
         self._grad_hooks: list[RemovableHandle] = []
         self._masked_for: set[int] = set()
+        # Ids of the optimizers the handle was given, and of optimizers they wrap (ZeroRedundancyOptimizer
+        # steps its `optim` inside its own step, whose post-hook restores after): the global check
+        # (_check_any_step) skips them.
+        self._own_ids = frozenset(
+            [id(o) for o in self.optimizers]
+            + [id(v) for o in self.optimizers for v in vars(o).values() if isinstance(v, Optimizer)]
+        )
+        # With the hooks per parameter: element-pinned parameters frozen when the hooks were
+        # placed (no hook can sit on them), watched for a gradient (unfrozen later).
+        self._unhooked: list[tuple[str, nn.Parameter]] = []
+        # Averaged copies that hold the pins (see hold): id -> (what it is, its module, its handle).
+        self._held: dict[int, tuple[str, nn.Module, Any]] = {}
 
     def _attach(self) -> None:
         engine = self.engine
         self._grad_hooks = engine.register_grad_hooks()
         self._handles += self._grad_hooks
+        self._unhooked = self._frozen_element_pinned()
+        self._handles.append(_Covering(self))
         if self._may_group:
             self._end_of_backward = EndOfBackward(self.module, self._after_backward)
             self._handles.append(self._end_of_backward)
@@ -296,12 +315,37 @@ class PinHandle:
             self._end_of_backward = None
         self._grad_hooks = self.engine.register_grad_hooks()
         self._handles += self._grad_hooks
+        self._unhooked = self._frozen_element_pinned()
         self._grouped = False
+
+    def _frozen_element_pinned(self) -> list[tuple[str, nn.Parameter]]:
+        """Element-pinned parameters without a gradient hook (frozen when the hooks were placed)."""
+        plan = self.engine.plan
+        elements = {name for rp in plan.pins for name, sel in rp.selections.items() if sel.index is not None}
+        return [(n, p) for n, p in plan.parameters.items() if n in elements and not p.requires_grad]
+
+    def _hook_unfrozen(self) -> None:
+        """With the hooks per parameter: an element-pinned parameter frozen at :func:`pin` and
+        unfrozen since has an unmasked gradient: mask it now, before the step, and hook it from
+        now on. Wholly pinned tensors need none of this (their gradient is dropped before the step)."""
+        still = []
+        for name, parameter in self._unhooked:
+            if parameter.grad is not None:
+                self.engine._grad_hook(name)(parameter)
+            if parameter.requires_grad:
+                hooks = self.engine.register_grad_hooks([name])
+                self._grad_hooks += hooks
+                self._handles += hooks
+            else:
+                still.append((name, parameter))
+        self._unhooked = still
 
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._check_module("before optimizer.step()")
         if self._grouped:
             self._check_masked(optimizer, args, kwargs)
+        elif self._unhooked:
+            self._hook_unfrozen()
         if self._has_when and id(optimizer) not in self._decided:
             raise PinError(
                 "a pin has `when`, but handle.batch_start(batch, batch_idx) was not called since this "
@@ -337,7 +381,8 @@ class PinHandle:
         Raises:
             PinError: an active pinned element is off target, or a pinned parameter is missing
                 from ``module`` or changed shape; without ``module``, also when a pinned parameter
-                of the pinned module was replaced, cast or moved after :func:`pin`.
+                of the pinned module was replaced, cast or moved after :func:`pin`, or an element
+                of an averaged copy :meth:`hold` keeps is off target.
         """
         if module is None:
             self._check_module("handle.verify")
@@ -346,9 +391,103 @@ class PinHandle:
         parameters = None if module is None else dict(unwrap(module).named_parameters(remove_duplicate=False))
         violations: list[Any] = engine.violations(parameters, pin_ids)
         violations += self.buffers.violations(None if module is None else unwrap(module))
+        lines = [str(v) for v in violations]
+        if module is None:  # the averaged copies hold() keeps, named
+            for what, copy, _ in self._held.values():
+                held = dict(copy.named_parameters(remove_duplicate=False))
+                found = engine.violations(held, pin_ids) + self.buffers.violations(copy)
+                violations += found
+                lines += [f"in the held copy {what}: {v}" for v in found]
         if violations:
             total = sum(v.count for v in violations)
-            raise PinError(f"{total} pinned element(s) off target:\n" + "\n".join(f"  {v}" for v in violations))
+            raise PinError(f"{total} pinned element(s) off target:\n" + "\n".join(f"  {line}" for line in lines))
+
+    def hold(self, averaged: nn.Module) -> _Undo:
+        """Make an averaged copy of the weights hold the pins too: a plain loop's
+        ``torch.optim.swa_utils.AveragedModel`` (SWA, EMA or any ``avg_fn`` / ``multi_avg_fn``).
+
+        Averaging moves pinned elements (an EMA rounds a pinned value, an average of words breaks
+        their stuck bits), and the copy is what gets evaluated and saved. From now on, right after
+        every ``averaged.update_parameters(model)``, the targets of the pins active at the last
+        step (values, stuck bits, bounds) are written into its pinned elements, and into the
+        buffers the pins hold (with ``use_buffers=True``); also at once, for a copy taken before
+        :func:`pin`. :meth:`verify` then checks the copy too. Removing the returned handle (or
+        this one) stops it.
+
+        Example::
+
+            >>> import torch
+            >>> from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+            >>> from lightning_pin import Pin, pin
+            >>> model = torch.nn.Linear(4, 2)
+            >>> optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+            >>> ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.99))
+            >>> with pin(model, optimizer, Pin("weight", indices=[(0, 0)], stuck_at_one=0x80000000)) as handle:
+            ...     _ = handle.hold(ema)
+            ...     for _ in range(3):
+            ...         model(torch.randn(8, 4)).square().sum().backward()
+            ...         optimizer.step()
+            ...         optimizer.zero_grad()
+            ...         ema.update_parameters(model)
+            ...     handle.verify()                     # the model and the EMA copy
+            >>> bool(ema.module.weight[0, 0] <= 0)     # its sign bit is stuck at 1 in the copy too
+            True
+
+        Raises:
+            PinError: ``averaged`` is not an ``AveragedModel`` (no ``update_parameters`` and
+                ``module``), it lacks a pinned parameter or holds it in another shape, or the
+                handle was removed.
+        """
+        self._refuse_if_removed("hold")
+        inner = getattr(averaged, "module", None)
+        if not isinstance(averaged, nn.Module) or not isinstance(inner, nn.Module) or not callable(
+            getattr(averaged, "update_parameters", None)
+        ):
+            raise PinError(
+                f"hold() takes a torch.optim.swa_utils.AveragedModel (a module with .module and .update_parameters), "
+                f"got {_kind(averaged)}"
+            )
+        copy = unwrap(inner)
+        parameters = dict(copy.named_parameters(remove_duplicate=False))
+        for name, parameter in self.engine.plan.parameters.items():
+            held = parameters.get(name)
+            if held is None or held.shape != parameter.shape:
+                what = "lacks the pinned parameter" if held is None else f"holds {tuple(held.shape)} for"
+                raise PinError(
+                    f"hold(): the averaged copy ({type(copy).__name__}) {what} {name!r} "
+                    f"{tuple(parameter.shape)}: average a copy of the pinned module (AveragedModel(model))"
+                )
+        update = averaged.update_parameters
+
+        def update_and_hold(*args: Any, **kwargs: Any) -> Any:
+            result = update(*args, **kwargs)
+            self._write_held(copy, parameters)
+            return result
+
+        # An instance attribute (nn.Module keeps it in __dict__): removing it brings back the method.
+        object.__setattr__(averaged, "update_parameters", update_and_hold)
+        self._write_held(copy, parameters)
+        holds = self._held
+
+        def undo() -> None:
+            if vars(averaged).get("update_parameters") is update_and_hold:
+                method = getattr(update, "__func__", None)
+                if update.__self__ is averaged and method is type(averaged).update_parameters:
+                    del vars(averaged)["update_parameters"]
+                else:
+                    object.__setattr__(averaged, "update_parameters", update)  # another wrapper was there
+            holds.pop(id(averaged), None)
+
+        removable = _Undo(undo)
+        holds[id(averaged)] = (type(averaged).__name__, copy, removable)
+        self._handles.append(removable)
+        return removable
+
+    @torch.no_grad()
+    def _write_held(self, copy: nn.Module, parameters: Mapping[str, Any]) -> None:
+        self.engine.write_into(parameters)
+        if self.buffers:
+            self.buffers.write_into(copy)
 
     def state_dict(self) -> dict[str, Any]:
         """Selections, targets (captured ones too), activity and the step count: tensors, lists,
@@ -444,11 +583,13 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     ``buffers=False``.
 
     Raises:
-        PinError: ``module`` is not an ``nn.Module``; no optimizer is given; a pinned parameter that
-            requires grad is in none of ``optimizers``; a pin cannot be honoured (named, with what
-            would be right); it gives an element another value than a live handle on the same
-            module; or the ranks of a distributed run resolved different pins. No weight has
-            changed and no hook is left behind.
+        PinError: ``module`` is not an ``nn.Module``; no optimizer is given; a pin cannot be
+            honoured (named, with what would be right); it gives an element another value than a
+            live handle on the same module; or the ranks of a distributed run resolved different
+            pins. No weight has changed and no hook is left behind. Later, at a step: an
+            optimizer not in ``optimizers`` is about to update a pinned parameter (refused before
+            its update). A pinned parameter no optimizer holds yet is fine: a param group added to
+            one of ``optimizers`` later (``add_param_group``) is covered from its first step.
 
     Example::
 
@@ -478,7 +619,6 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         optimizer_list = [unwrap_optimizer(o) for o in optimizer_list]
         engine: Optional[PinEngine] = PinEngine(resolve(as_pins(pins), target))  # every check, nothing touched
         refuse_sparse_gradients(engine.plan, target)
-        _refuse_unheld_parameters(engine.plan, optimizer_list)
         _refuse_conflicts_with_live_handles(engine.plan, target)
         rejected = None
     except PinError as err:
@@ -504,29 +644,101 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     return handle
 
 
+class _Undo:
+    """A removable handle that calls ``undo`` once."""
+
+    def __init__(self, undo: Any) -> None:
+        self._undo = undo
+
+    def remove(self) -> None:
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
+
+
 def _kind(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
 
 
-def _refuse_unheld_parameters(plan: PinPlan, optimizers: Sequence[Optimizer]) -> None:
-    """Every pinned parameter that requires grad must be in one of ``optimizers``.
+# Every live handle's check of the optimizers it was not given runs from one torch-global step
+# pre-hook (register_optimizer_step_pre_hook sees every optimizer), installed while a handle lives:
+# per step, one param-group layout and one lookup, whatever the number of handles.
+_COVERING: weakref.WeakSet[PinHandle] = weakref.WeakSet()
+_GLOBAL_HOOK: list[RemovableHandle] = []
+# Per optimizer: (the handles' version, its param-group layout, [(handle, names, parameters)] of
+# the live handles it was not given whose pinned parameters it holds).
+_HELD: weakref.WeakKeyDictionary[Optimizer, tuple[int, tuple[tuple[int, int], ...], list[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+_VERSION = [0]
+# Ids of the optimizers every live handle was given (recomputed when a handle comes or goes): their
+# steps need no check, and the usual loop (one handle) pays a set lookup per step.
+_GIVEN_TO_ALL: list[frozenset[int]] = [frozenset()]
 
-    pin() hooks only the optimizers it is given: another optimizer stepping a pinned parameter
-    (its weight decay, its momentum) would move it with nothing to restore it.
+
+def _handles_changed() -> None:
+    _VERSION[0] += 1
+    live = list(_COVERING)
+    _GIVEN_TO_ALL[0] = frozenset.intersection(*(h._own_ids for h in live)) if live else frozenset()
+
+
+def _layout(optimizer: Optimizer) -> tuple[tuple[int, int], ...]:
+    return tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
+
+
+def _check_any_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    """The global step pre-hook: an optimizer may not update the pinned parameters of a live handle
+    it was not given. Host-side only (identity of Python objects, ``requires_grad``, ``grad is None``).
 
     Raises:
-        PinError: naming the pinned trainable parameters no given optimizer holds.
+        PinError: before the update lands, naming the optimizer and the parameters.
     """
-    held = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
-    missing = [name for name, p in plan.parameters.items() if p.requires_grad and id(p) not in held]
-    if missing:
-        raise PinError(
-            f"pinned parameter(s) {missing[:10]} require grad but are in none of the optimizer(s) given to pin(): "
-            "another optimizer stepping them would move them unseen. Pass every optimizer that updates the "
-            "module to pin(model, [opt1, opt2], pins), or set requires_grad=False on parameters no optimizer "
-            "trains"
-        )
+    if id(optimizer) in _GIVEN_TO_ALL[0]:
+        return
+    layout = _layout(optimizer)
+    cached = _HELD.get(optimizer)
+    if cached is None or cached[0] != _VERSION[0] or cached[1] != layout:
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        held = []
+        for handle in list(_COVERING):
+            if id(optimizer) in handle._own_ids:
+                continue
+            mine = [(n, p) for n, p in handle.engine.plan.parameters.items() if id(p) in ids]
+            if mine:
+                held.append((weakref.ref(handle), mine))
+        cached = _HELD[optimizer] = (_VERSION[0], layout, held)
+    for _, mine in cached[2]:
+        # A frozen parameter without a gradient is skipped by the optimizer: holding it is harmless.
+        stepped = [name for name, p in mine if p.requires_grad or p.grad is not None]
+        if stepped:
+            raise PinError(
+                f"{type(optimizer).__name__} (an optimizer not given to pin()) is about to step the pinned "
+                f"parameter(s) {stepped[:10]}: its update (weight decay, momentum) would move them with nothing to "
+                "restore them, so the step is refused before it changes anything. Pass every optimizer that "
+                "updates the module: pin(model, [opt1, opt2], pins), take the pinned parameters out of its param "
+                "groups, or handle.remove() the pin() you are done with"
+            )
+
+
+class _Covering:
+    """A handle's place in the global check (see :func:`_check_any_step`); ``remove()`` takes it out,
+    and the global hook goes when no handle is left."""
+
+    def __init__(self, handle: PinHandle) -> None:
+        self._handle = weakref.ref(handle)
+        _COVERING.add(handle)
+        _handles_changed()
+        if not _GLOBAL_HOOK:
+            _GLOBAL_HOOK.append(register_optimizer_step_pre_hook(_check_any_step))
+
+    def remove(self) -> None:
+        handle = self._handle()
+        if handle is not None:
+            _COVERING.discard(handle)
+        _handles_changed()
+        if not _COVERING and _GLOBAL_HOOK:
+            _GLOBAL_HOOK.pop().remove()
 
 
 def _refuse_conflicts_with_live_handles(plan: PinPlan, module: nn.Module) -> None:

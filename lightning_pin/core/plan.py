@@ -233,6 +233,13 @@ def resolve(
     """
     warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
     named, aliases = tied_names(module)
+    # Every name in the module (parameters, buffers, submodule paths): a one-entry file under one
+    # of them is meant for that, never applied to another parameter because its shape fits.
+    known = frozenset(
+        [*named, *(n for _, others in aliases.items() for n in others)]
+        + [n for n, _ in module.named_buffers(remove_duplicate=False)]
+        + [n for n, _ in module.named_modules(remove_duplicate=False) if n]
+    )
     files: dict[str, Any] = {}
     resolved: list[ResolvedPin] = []
     for pin in pins:
@@ -243,10 +250,10 @@ def resolve(
         selections: dict[str, Selection] = {}
         matched = _match(pin, named, aliases, warn)
         for name in matched:
-            selection = _select(pin, name, named[name], files, matched, aliases, named)
+            selection = _select(pin, name, named[name], files, matched, aliases, known)
             user_index = selection.index
-            faults = _fault_targets(pin, selection, files, matched, aliases, named)
-            selection.values = _targets(pin, selection, files, warn, matched, aliases, named)
+            faults = _fault_targets(pin, selection, files, matched, aliases, known)
+            selection.values = _targets(pin, selection, files, warn, matched, aliases, known)
             if faults is not None:
                 if user_index is not None:
                     faults = fault_plan.sort_like_index(pin, name, user_index, faults, pin.kind.replace("_", " "))
@@ -736,17 +743,24 @@ def _by_name(
 ) -> Any:
     """Pick ``name``'s entry from a dict keyed by parameter name (any name of a tied tensor).
 
-    A single-entry dict under a key that names no parameter of the module (``named_names``, or a
-    tied alias) serves a pin that matches exactly one parameter (a one-tensor .safetensors file,
-    say). A dict keyed by other parameters of the module, not this one, is an error.
+    Keys are compared as pin patterns are matched, with torch.compile's ``_orig_mod.`` prefix
+    stripped on both sides: a compiled module's ``state_dict`` serves the module inside it.
+    A single-entry dict under a key that names nothing in the module (``named_names``: its
+    parameters, buffers and submodule paths, or a tied alias) serves a pin that matches exactly
+    one parameter (a one-tensor .safetensors file, say). A dict keyed by other names of the
+    module, not this parameter's, is an error.
     """
     if not isinstance(source, Mapping):
         return source
     found: dict[str, Any] = {}
     for each in (name, *aliases.get(name, ())):
-        key = next((k for k in (each, _strip_compile_prefix(each)) if k in source), None)
-        if key is not None:
-            found[key] = source[key]
+        bare = _strip_compile_prefix(each)
+        # Dict lookups for the usual spellings; a scan only for a prefix deeper inside (a compiled submodule).
+        keys = [k for k in (each, bare, "_orig_mod." + bare) if k in source]
+        if not keys and any(isinstance(k, str) and "_orig_mod." in k for k in source):
+            keys = [k for k in source if isinstance(k, str) and _strip_compile_prefix(k) == bare]
+        for key in keys:
+            found.setdefault(key, source[key])
     if found:
         first_key, first = next(iter(found.items()))
         for key, entry in list(found.items())[1:]:
@@ -754,22 +768,23 @@ def _by_name(
             if not _same_entry(first, entry):
                 raise PinError(
                     f"{pin!r}: {field} has different entries for {first_key!r} and {key!r}, which are the same "
-                    "tensor (tied weights); give one"
+                    "tensor (tied weights, or a name with and without torch.compile's '_orig_mod.'); give one"
                 )
         return first
     every = {*named_names, *(a for others in aliases.values() for a in others)}
     every |= {_strip_compile_prefix(n) for n in every}
     others = sorted(k for k in source if isinstance(k, str) and (k in every or _strip_compile_prefix(k) in every))
     if others:
-        # Keyed by the module's parameter names, but not this one's: applying an entry meant for
-        # another parameter (because its shape fits) would pin values nobody chose.
+        # Keyed by names in the module (other parameters, buffers, submodules), not this one's:
+        # applying an entry meant for something else (because its shape fits) would pin values
+        # nobody chose.
         raise PinError(
-            f"{pin!r}: {field} has no entry for parameter {name!r}; it is keyed by parameter names and its keys "
-            f"are {sorted(map(str, source))[:10]}. Add an entry under {name!r}, or give a bare tensor for one "
-            "parameter"
+            f"{pin!r}: {field} has no entry for parameter {name!r}; its keys are {sorted(map(str, source))[:10]}, and "
+            f"{others[:10]} name other parameters, buffers or submodules of the module. Add an entry under "
+            f"{name!r}, or give a bare tensor for one parameter"
         )
     if len(source) == 1 and len(matched) == 1:
-        # One entry under a key that names no parameter (a one-tensor .safetensors file): by shape.
+        # One entry under a key that names nothing in the module (a one-tensor .safetensors file): by shape.
         return next(iter(source.values()))
     raise PinError(f"{pin!r}: {field} has no entry for parameter {name!r}; its keys are {sorted(source)[:10]}")
 

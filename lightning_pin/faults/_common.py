@@ -28,6 +28,9 @@ class FaultPins(list):
             training writes (every exponent bit stuck at one), whose polarities were drawn again.
         skipped: :func:`bit_faults`: such elements still refused after :data:`REDRAWS` draws
             (every exponent bit stuck and ``one_fraction`` near 1), left without faults.
+        shapes: The shape of each parameter the pins were drawn for or read with, by name, where
+            known (:func:`~lightning_pin.faults.load_fault_map` of a file that records them):
+            :func:`~lightning_pin.faults.save_fault_map` records them in the file.
     """
 
     def __init__(
@@ -37,19 +40,27 @@ class FaultPins(list):
         faulty: Optional[Mapping[str, int]] = None,
         redrawn: int = 0,
         skipped: int = 0,
+        shapes: Optional[Mapping[str, tuple[int, ...]]] = None,
     ) -> None:
         super().__init__(pins)
         self.summary = summary
         self.faulty = dict(faulty or {})
         self.redrawn = redrawn
         self.skipped = skipped
+        self.shapes = {name: tuple(shape) for name, shape in (shapes or {}).items()}
 
 
 def finish(
-    pins: list[Pin], title: str, lines: list[str], faulty: dict[str, int], redrawn: int = 0, skipped: int = 0
+    pins: list[Pin],
+    title: str,
+    lines: list[str],
+    faulty: dict[str, int],
+    redrawn: int = 0,
+    skipped: int = 0,
+    shapes: Optional[Mapping[str, tuple[int, ...]]] = None,
 ) -> FaultPins:
     summary = "\n".join([title, *(f"  {line}" for line in lines)])
-    return FaultPins(pins, summary, faulty, redrawn, skipped)
+    return FaultPins(pins, summary, faulty, redrawn, skipped, shapes)
 
 
 def floating_parameters(module: nn.Module, params: Params, who: str) -> dict[str, Tensor]:

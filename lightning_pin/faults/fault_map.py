@@ -23,11 +23,16 @@ from lightning_pin.faults._common import FaultPins, coordinates, exact_name, exa
 FIELDS = {"value": math.nan, "stuck_at_zero": 0, "stuck_at_one": 0, "low": -math.inf, "high": math.inf}
 #: The key suffix of the (optional) coordinates of the elements the other fields describe.
 INDICES = "indices"
+#: The key suffix of the (optional) shape of the parameter, as int64 sizes: a map is refused on a
+#: parameter of another shape. Older files have none and load as before.
+SHAPE = "shape"
 
 PathLike = Union[str, Path]
 
 
-def save_fault_map(pins: Iterable[Pin], path: PathLike, *, module: Optional[nn.Module] = None) -> Path:
+def save_fault_map(
+    pins: Iterable[Pin], path: PathLike, *, module: Optional[nn.Module] = None, overwrite: bool = False
+) -> Path:
     """Write ``pins`` (stuck values, stuck bits, bounds) to a fault-map file that :func:`load_fault_map` reads.
 
     Without ``module`` the pins must name their elements by themselves: one parameter name each
@@ -41,7 +46,11 @@ def save_fault_map(pins: Iterable[Pin], path: PathLike, *, module: Optional[nn.M
     ``torch.save``, or ``.safetensors``), per parameter ``name:indices`` (``k x ndim`` int64
     coordinates) and one entry per element for each field present: ``name:value`` (NaN: no stuck
     value), ``name:stuck_at_zero`` / ``name:stuck_at_one`` (int64 bit patterns, 0: no stuck bit),
-    ``name:low`` / ``name:high`` (float64, -inf / +inf: no bound).
+    ``name:low`` / ``name:high`` (float64, -inf / +inf: no bound), and ``name:shape`` (the
+    parameter's shape, int64) where it is known: always with ``module``; without, from a ``mask``,
+    a tensor of the parameter's shape, or the ``shapes`` of a :class:`FaultPins` (pins with bare
+    ``indices`` do not tell it). A map that records its shapes is refused on a parameter of
+    another shape. An existing file is never replaced unless ``overwrite=True``.
 
     Example::
 
@@ -51,10 +60,12 @@ def save_fault_map(pins: Iterable[Pin], path: PathLike, *, module: Optional[nn.M
         >>> net = torch.nn.Linear(8, 4)
         >>> pins = cell_faults(net, "weight", rate=0.25)
         >>> with tempfile.TemporaryDirectory() as folder:
-        ...     path = save_fault_map(pins, Path(folder) / "chip.safetensors")
+        ...     path = save_fault_map(pins, Path(folder) / "chip.safetensors", module=net)
         ...     loaded = load_fault_map(path)
-        >>> torch.equal(loaded[0].indices, pins[0].indices), torch.equal(loaded[0].value, pins[0].value)
+        >>> torch.equal(loaded[0].mask.nonzero(), pins[0].indices), torch.equal(loaded[0].value, pins[0].value)
         (True, True)
+        >>> loaded.shapes
+        {'weight': (4, 8)}
 
     Returns:
         The path written.
@@ -63,20 +74,33 @@ def save_fault_map(pins: Iterable[Pin], path: PathLike, *, module: Optional[nn.M
         PinError: a pin a fault map cannot hold (``when``, a step window; without ``module`` also a
             glob, ``fraction``, ``value=None``, values given as file paths, a scalar for a whole
             tensor of unknown shape), a pin ``module`` refuses, conflicting values, a bit stuck
-            both ways, empty bounds, or an unknown suffix.
+            both ways, empty bounds, pins of one parameter that give it different shapes or
+            coordinates outside its shape, an unknown suffix, or a ``path`` that exists (without
+            ``overwrite=True``) or is a directory. Checked before anything is written.
     """
     path = Path(path).expanduser()
     if path.suffix not in (".pt", ".pth", ".safetensors"):
         raise PinError(f"save_fault_map: {path} must end in .pt, .pth or .safetensors")
-    entries: dict[str, list[tuple[Tensor, dict[str, Tensor]]]] = {}
+    if path.is_dir():
+        raise PinError(f"save_fault_map: {path} is a directory; give the path of the file to write")
+    if path.exists() and not overwrite:
+        raise PinError(
+            f"save_fault_map: {path} already exists; it is left as it is. Give another path, or pass "
+            "overwrite=True to replace it"
+        )
+    known_shapes = dict(getattr(pins, "shapes", None) or {})
+    entries: dict[str, list[tuple[Tensor, dict[str, Tensor], Optional[tuple[int, ...]]]]] = {}
     found = _resolved_entries(list(pins), module) if module is not None else map(_fault_entry, pins)
-    for name, coords, fields in found:
-        entries.setdefault(name, []).append((coords, fields))
+    for name, coords, fields, shape in found:
+        entries.setdefault(name, []).append((coords, fields, shape if shape is not None else known_shapes.get(name)))
     if not entries:
         raise PinError("save_fault_map: no pins to save")
     tensors: dict[str, Tensor] = {}
     for name, parts in entries.items():
-        tensors.update(_merge(name, parts))
+        shape = _one_shape(name, parts)
+        tensors.update(_merge(name, [(coords, fields) for coords, fields, _ in parts]))
+        if shape is not None:
+            tensors[f"{name}:{SHAPE}"] = torch.tensor(shape, dtype=torch.int64).reshape(len(shape))
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".safetensors":
         from safetensors.torch import save_file
@@ -99,14 +123,19 @@ def load_fault_map(path: PathLike) -> FaultPins:
       bare parameter name means the same (the older NaN-means-healthy maps);
     - ``stuck_at_zero`` / ``stuck_at_one``: integer bit patterns of the element's word; 0 marks no
       stuck bit;
-    - ``low`` / ``high``: the interval a bounded cell is clamped into; -inf / +inf mark no bound.
+    - ``low`` / ``high``: the interval a bounded cell is clamped into; -inf / +inf mark no bound;
+    - ``shape`` (optional): the parameter's shape. With it the pins select their elements by a
+      ``mask`` of that shape, so resolving them on a parameter of another shape is a
+      :class:`PinError`; older files without it give ``indices`` pins, as before.
 
     Each parameter gives up to three pins (one per kind present), checked like any pin when
-    resolved on the module. The returned :class:`FaultPins` has a ``summary`` of what was read.
+    resolved on the module. The returned :class:`FaultPins` has a ``summary`` of what was read
+    and the ``shapes`` the file records.
 
     Raises:
         PinError: the file is missing or unreadable, holds anything but tensors keyed by name,
-            uses an unknown field, has fields whose shapes disagree, or marks no fault.
+            uses an unknown field, has fields whose shapes disagree, records a shape its
+            coordinates do not fit (or lists an element twice with one), or marks no fault.
     """
     path = Path(path).expanduser()
     try:
@@ -128,39 +157,91 @@ def load_fault_map(path: PathLike) -> FaultPins:
         if field in grouped.setdefault(name, {}):
             raise PinError(f"{where}: {name!r} has its stuck values twice (as {name!r} and {name + ':value'!r})")
         grouped[name][field] = tensor
-    pins, lines, faulty = [], [], {}
+    pins, lines, faulty, shapes = [], [], {}, {}
     for name, fields in grouped.items():
-        made, line, count = _pins_from_fields(name, fields, where)
+        shape = _recorded_shape(name, fields.pop(SHAPE, None), where)
+        if shape is not None:
+            shapes[name] = shape
+        made, line, count = _pins_from_fields(name, fields, where, shape)
         pins += made
         faulty[name] = count
         lines.append(line)
     if not pins:
         raise PinError(f"{where} marks no faulty cell (every value NaN, no stuck bit, no bound)")
-    return finish(pins, f"fault map {path.name}", lines, faulty)
+    return finish(pins, f"fault map {path.name}", lines, faulty, shapes=shapes)
+
+
+def _recorded_shape(name: str, tensor: Optional[Tensor], where: str) -> Optional[tuple[int, ...]]:
+    if tensor is None:
+        return None
+    if tensor.is_floating_point() or tensor.dtype == torch.bool or tensor.ndim != 1 or bool((tensor < 0).any()):
+        raise PinError(
+            f"{where}: {name}:{SHAPE} must be the parameter's shape as non-negative integers (a 1-D int64 tensor), "
+            f"got {_show(tensor)}"
+        )
+    return tuple(int(size) for size in tensor.tolist())
+
+
+def _one_shape(
+    name: str, parts: list[tuple[Tensor, dict[str, Tensor], Optional[tuple[int, ...]]]]
+) -> Optional[tuple[int, ...]]:
+    """The shape the pins on ``name`` give it (None if none tells); its coordinates must fit it."""
+    shapes = sorted({tuple(shape) for _, _, shape in parts if shape is not None})
+    if len(shapes) > 1:
+        raise PinError(
+            f"save_fault_map: the pins on {name!r} do not agree on its shape: {name!r} is given as "
+            f"{' and as '.join(map(str, shapes))}"
+        )
+    if not shapes:
+        return None
+    shape = shapes[0]
+    for coords, _, _ in parts:
+        _check_inside(coords, shape, f"save_fault_map: element {{}} of {name!r} is outside its shape {shape}")
+    return shape
+
+
+def _check_inside(coords: Tensor, shape: tuple[int, ...], message: str) -> None:
+    """Raise ``message`` (formatted with the first offending element) for coordinates outside ``shape``."""
+    if coords.shape[1] != len(shape):
+        raise PinError(message.format(f"with {coords.shape[1]} coordinates"))
+    if coords.numel() == 0:
+        return
+    outside = ((coords < 0) | (coords >= torch.tensor(shape, dtype=coords.dtype))).any(dim=1)
+    if bool(outside.any()):
+        raise PinError(message.format(tuple(coords[outside.to(torch.int8).argmax()].tolist())))
 
 
 def _split_key(key: str, where: str) -> tuple[str, str]:
     name, sep, field = key.rpartition(":")
     if not sep:
         return key, "value"  # the older maps: the bare parameter name holds stuck values
-    if field not in FIELDS and field != INDICES:
+    if field not in FIELDS and field not in (INDICES, SHAPE):
         raise PinError(
             f"{where}: key {key!r} ends in {field!r}; a key is a parameter name or 'name:field' with field one of "
-            f"{[*FIELDS, INDICES]}"
+            f"{[*FIELDS, INDICES, SHAPE]}"
         )
     return name, field
 
 
-def _pins_from_fields(name: str, fields: dict[str, Tensor], where: str) -> tuple[list[Pin], str, int]:
-    """One pin per kind of fault that ``fields`` marks for parameter ``name``."""
+def _pins_from_fields(
+    name: str, fields: dict[str, Tensor], where: str, recorded: Optional[tuple[int, ...]] = None
+) -> tuple[list[Pin], str, int]:
+    """One pin per kind of fault that ``fields`` marks for parameter ``name`` (of shape ``recorded``, when the file
+    records it)."""
     coords = fields.pop(INDICES, None)
+    flat: Optional[Tensor] = None  # with a recorded shape: the listed elements, flat and sorted
     if coords is not None:
         if coords.dtype in (torch.bool,) or coords.is_floating_point() or coords.ndim not in (1, 2):
             raise PinError(f"{where}: {name}:indices must be (k x ndim) integer coordinates, got {_show(coords)}")
         coords = coords.to(torch.int64)
         expected: Optional[tuple[int, ...]] = (coords.shape[0],)
+        if recorded is not None:
+            flat, order = _flat_sorted(name, coords, recorded, where)
+            for field in list(fields):  # row-major order: the order a mask pin reads its entries in
+                if tuple(fields[field].shape) == expected:
+                    fields[field] = fields[field][order]
     else:
-        expected = None
+        expected = recorded
     for field, tensor in fields.items():
         shape = tuple(tensor.shape)
         if field.startswith("stuck") and (tensor.is_floating_point() or tensor.dtype == torch.bool):
@@ -181,6 +262,10 @@ def _pins_from_fields(name: str, fields: dict[str, Tensor], where: str) -> tuple
         return ~tensor.isnan() if field == "value" else tensor != healthy
 
     def select(chosen: Tensor) -> dict[str, Any]:
+        if flat is not None:  # a mask of the recorded shape: a parameter of another shape is refused
+            mask = torch.zeros(recorded, dtype=torch.bool)
+            mask.view(-1)[flat[chosen]] = True
+            return {"mask": mask}
         if coords is not None:
             return {"indices": coords[chosen]}
         return {"mask": chosen}
@@ -214,8 +299,29 @@ def _pins_from_fields(name: str, fields: dict[str, Tensor], where: str) -> tuple
     return pins, f"{name}: {', '.join(parts) if parts else 'no fault'}", count
 
 
-def _resolved_entries(pins: list[Pin], module: nn.Module) -> list[tuple[str, Tensor, dict[str, Tensor]]]:
-    """Per pin and parameter it selects on ``module``: the name, coordinates and per-element fields."""
+def _flat_sorted(name: str, coords: Tensor, shape: tuple[int, ...], where: str) -> tuple[Tensor, Tensor]:
+    """The listed elements as sorted flat indices into ``shape``, and the order that sorts the rows."""
+    coords = coords.unsqueeze(1) if coords.ndim == 1 else coords
+    if coords.shape[1] != len(shape):
+        raise PinError(
+            f"{where}: {name}:indices has coordinates of {coords.shape[1]} dimensions, the recorded shape has "
+            f"{len(shape)} ({shape})"
+        )
+    _check_inside(coords, shape, f"{where}: element {{}} of {name!r} is outside the recorded shape {shape}")
+    strides = torch.tensor([math.prod(shape[d + 1 :]) for d in range(len(shape))], dtype=torch.int64)
+    flat = (coords * strides).sum(dim=1) if len(shape) else torch.zeros(coords.shape[0], dtype=torch.int64)
+    flat, order = torch.sort(flat, stable=True)
+    repeated = flat[1:] == flat[:-1]
+    if bool(repeated.any()):
+        twice = coords[order[1:][repeated][0]]
+        raise PinError(f"{where}: {name}:indices lists element {tuple(twice.tolist())} of {name!r} twice")
+    return flat, order
+
+
+def _resolved_entries(
+    pins: list[Pin], module: nn.Module
+) -> list[tuple[str, Tensor, dict[str, Tensor], Optional[tuple[int, ...]]]]:
+    """Per pin and parameter it selects on ``module``: the name, coordinates, per-element fields and shape."""
     for pin in pins:
         _static(pin)
     found = []
@@ -237,7 +343,7 @@ def _resolved_entries(pins: list[Pin], module: nn.Module) -> list[tuple[str, Ten
                 if values is None:  # value=None: the elements are stuck at what they hold now
                     values = parameter.reshape(-1)[flat.to(parameter.device)]
                 fields = {"value": per_element(values)}
-            found.append((name, coords, fields))
+            found.append((name, coords, fields, tuple(parameter.shape)))
     return found
 
 
@@ -256,8 +362,9 @@ def _static(pin: Pin) -> None:
         )
 
 
-def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor]]:
-    """The parameter a pin names, its elements' coordinates and its per-element fields."""
+def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor], Optional[tuple[int, ...]]]:
+    """The parameter a pin names, its elements' coordinates, its per-element fields and the
+    parameter's shape where the pin tells it (a mask, tensors of the whole parameter)."""
     if not isinstance(pin, Pin):
         raise PinError(f"save_fault_map: expected Pins, got {type(pin).__name__}: {pin!r}")
     name = exact_name(pin.params) if isinstance(pin.params, str) else None
@@ -305,7 +412,7 @@ def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor]]:
         if raw is None:
             continue
         fields[field] = _per_element(pin, field, raw, coords, full)
-    return name, coords, fields
+    return name, coords, fields, full
 
 
 def _per_element(pin: Pin, field: str, raw: Any, coords: Tensor, full: Optional[tuple[int, ...]]) -> Tensor:
