@@ -131,8 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="an Optuna (>= 3) search over the app: one objective (TPE, per-epoch pruning) or several (NSGA-II, "
         "Pareto front); Hydra overrides follow",
         description="Each trial composes the app's config with the parameters Optuna asks for and runs the job; the "
-        "study is kept in DIR/tune.db (SQLite), so the same command resumes it. Several --objectives print and plot "
-        "the Pareto front (DIR/pareto.png, DIR/trials.csv). Needs pip install 'lightning-pin[tune]'.",
+        "study is kept in DIR/tune.db (SQLite), so the same command resumes it. Every trial's config is composed "
+        "before the first trains (a bad override, --param key or objective: exit 2, one line). One line per trial "
+        "(its own output in DIR/trial_N/trial.log), then a table: every trial and DIR/trials.png for one objective, "
+        "the Pareto front and DIR/pareto.png for several (and DIR/trials.csv). Needs pip install "
+        "'lightning-pin[tune]'.",
     )
     tune.add_argument("--trials", type=int, default=12, help="finished trials the study should hold (default: 12)")
     tune.add_argument("--param", action="append", default=[], metavar="KEY=SPEC",

@@ -101,3 +101,8 @@ def test_a_run_shorter_than_the_logging_interval_says_why_the_drift_is_missing_a
     assert all(float(t).is_integer() for t in metric.get_xticks())  # steps are whole numbers
     rows = dict(report_rows(short))
     assert rows["pin drift max / mean"].startswith("not logged") and "log_every_n_steps" in rows["pin drift max / mean"]
+    # A long run whose monitor had the pin drift off: the weight drift was logged in between, so it is not the interval.
+    off = make_report(metric="accuracy", baseline=0.9, forced=0.5, accuracy=[[0, 0.5], [40, 0.9]], pin_drift=[],
+                      weight_drift=[[0, 0.0, 0.0], [20, 0.5, 0.1], [40, 0.7, 0.15]], pinned_elements=7)
+    assert "PinMonitor(drift=False)" in _texts(build_figure(off)) and "log_every_n_steps" not in _texts(build_figure(off))
+    assert dict(report_rows(off))["pin drift max / mean"] == "not measured (PinMonitor(drift=False))"

@@ -237,12 +237,23 @@ def _captions(report: Mapping[str, Any]) -> list[str]:
             "are the same every step, so a move that depends only on them is too, such as decoupled weight decay "
             "(AdamW moves each by lr x weight_decay x |value|); the restore undoes it (0 violations)."
         )
-    elif not drift["step"] and report.get("steps"):
+    elif _drift_missing(report) == "short":
         notes.append(
             f"pin drift was not logged: the run took {report['steps']} optimizer steps, fewer than the trainer's "
             "log_every_n_steps (Lightning's default 50; the app's 5). Lower it to see the drift."
         )
+    elif _drift_missing(report) == "off":
+        notes.append("pin drift was not measured (PinMonitor(drift=False)); the weight drift was.")
     return notes
+
+
+def _drift_missing(report: Mapping[str, Any]) -> Optional[str]:
+    """Why a run of some steps has no pin drift: ``"short"`` (no logging step: the weight drift has only
+    the fit's start and end, which are measured whatever the interval), ``"off"`` (the weight drift was
+    logged in between, so the pin drift was switched off), or None (it has one)."""
+    if report["history"]["pin_drift"]["step"] or not report.get("steps"):
+        return None
+    return "off" if len(report["history"]["weight_drift"]["step"]) > 2 else "short"
 
 
 def _headline(report: Mapping[str, Any]) -> str:
@@ -388,8 +399,11 @@ def report_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     rows.append(("violations (must be 0)", str(report["violations"])))
     drift = f"{_fmt(report['pin_drift_max'])} / {_fmt(report['pin_drift_mean'])}"
     history = report.get("history", {}).get("pin_drift", {})
-    if report.get("pin_drift_max") is None and report.get("steps"):
+    missing = _drift_missing(report) if history else None
+    if missing == "short":
         drift = f"not logged ({report['steps']} steps, fewer than log_every_n_steps)"
+    elif missing == "off":
+        drift = "not measured (PinMonitor(drift=False))"
     elif history and _flat_drift(report):
         drift += " (the same at every logged step)"
     rows.append(("pin drift max / mean", drift))
