@@ -40,6 +40,7 @@ COLUMNS: tuple[str, ...] = (
     "gap",
     "recovered_step",
     "pinned_elements",
+    "changed_bits",
     "pins_exact",
     "seconds",
     "steps",
@@ -49,7 +50,7 @@ COLUMNS: tuple[str, ...] = (
     "recipe",
     "job_dir",
 )
-LAYER_COLUMNS: tuple[str, ...] = COLUMNS[:3] + ("param",) + COLUMNS[3:]
+LAYER_COLUMNS: tuple[str, ...] = COLUMNS[:3] + ("param", "elements") + COLUMNS[3:]
 
 # Two-sided 97.5% quantiles of Student's t, by degrees of freedom (scipy-free).
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
