@@ -474,11 +474,15 @@ def _baseline(study: Study, out: Path, log_path: Path, progress: Progress) -> Op
 
 
 def _forking(study: Study) -> bool:
-    return study.jobs > 1 and study.launcher is None and hasattr(os, "fork")
+    """Whether the jobs run in forked workers: ``--jobs`` > 1, no launcher, a system with fork, and a process whose
+    torch thread pool never started (a library caller that ran a multi-threaded study before runs them here)."""
+    return study.jobs > 1 and study.launcher is None and hasattr(os, "fork") and not _threads_started
 
 
 #: Whether this process has run a job (or the baseline) already: the data loaded, every lazy import done.
 _warm = False
+#: Whether this process ran a job on more than one torch thread (its OpenMP pool may be up: do not fork).
+_threads_started = False
 
 
 @contextlib.contextmanager
@@ -490,7 +494,7 @@ def _single_threaded(wanted: bool = True) -> Iterator[None]:
     here (the baseline, or a first job) still leaves this process warm (data loaded, lazy imports
     done), which the workers then start from.
     """
-    global _warm
+    global _warm, _threads_started
     import torch
 
     threads = torch.get_num_threads()
@@ -500,6 +504,7 @@ def _single_threaded(wanted: bool = True) -> Iterator[None]:
         yield
     finally:
         _warm = True
+        _threads_started |= torch.get_num_threads() > 1
         if wanted:
             torch.set_num_threads(threads)
 
