@@ -793,6 +793,8 @@ class ForcedCampaign:
         from lightning_pin.app.train import load_weights
 
         self.template, self.ckpt, self.progress = template, ckpt, progress
+        if template.get("torch_threads"):
+            torch.set_num_threads(template.torch_threads)  # as the app's jobs run
         #: The study's overrides, for the rows' ``recipe`` column.
         self.recipe = ""
         optimizer = instantiate(template.optimizer, _convert_="all")

@@ -247,12 +247,23 @@ def _binomial_quantile(n: int, p: float, level: float) -> int:
     """The smallest k with ``P(Binomial(n, p) <= k) >= level``: increasing in ``p`` for a fixed level.
 
     The probabilities are summed in float64 over the mean +- 12 standard deviations (the mass
-    outside is below 1e-30).
+    outside is below 1e-30). A short range is summed in Python (each term from the last): a few
+    hundred tensor elements would cost more in torch's thread pool than the sum itself.
     """
     if p >= 1:
         return n
     mean, sd = n * p, math.sqrt(n * p * (1 - p))
     low, high = max(0, math.floor(mean - 12 * sd) - 16), min(n, math.ceil(mean + 12 * sd) + 16)
+    if high - low <= 4096:
+        term = math.exp(math.lgamma(n + 1) - math.lgamma(low + 1) - math.lgamma(n - low + 1)
+                        + low * math.log(p) + (n - low) * math.log1p(-p))
+        odds, cdf = p / (1 - p), 0.0
+        for k in range(low, high + 1):
+            cdf += term
+            if cdf >= level:
+                return k
+            term *= (n - k) / (k + 1) * odds
+        return high
     k = torch.arange(low, high + 1, dtype=torch.float64)
     log_pmf = math.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1)
     log_pmf += k * math.log(p) + (n - k) * math.log1p(-p)

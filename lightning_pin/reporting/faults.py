@@ -230,7 +230,7 @@ def plot_curve(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -
         ax.plot(rates, [p[f"{column}_mean"] for p in ok], marker="o", color=color, label=f"{label}: mean")
         seeds_x = [100 * float(r["rate"]) for r in rows if _finite(r.get(column))]
         seeds_y = [float(r[column]) for r in rows if _finite(r.get(column))]
-        ax.scatter(seeds_x, seeds_y, s=14, facecolors="none", edgecolors=color, alpha=0.7, lw=0.8,
+        ax.scatter(seeds_x, seeds_y, s=14, facecolors="none", edgecolors=color, alpha=0.8, lw=0.8, zorder=3,
                    label=f"{label.split(' (')[0]}: each seed")
         banded = [p for p in ok if p["seeds"] >= MIN_SEEDS_FOR_CI and not math.isnan(p[f"{column}_ci"])]
         if banded:
