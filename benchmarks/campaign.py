@@ -143,7 +143,8 @@ def drawing_over_evaluation(out: Path, overrides: list[str], rounds: int, repeat
     cnn_template = study_module._compose(cnn_study, study_module._compose_overrides(cnn_study), out / "bench")
     from hydra.utils import instantiate
 
-    cnn = instantiate(cnn_template.model, _partial_=True, _convert_="all")(optimizer=instantiate(cnn_template.optimizer))
+    make = instantiate(cnn_template.model, _partial_=True, _convert_="all")
+    cnn = make(optimizer=instantiate(cnn_template.optimizer))
     torch.save({"state_dict": cnn.state_dict()}, cnn_ckpt)
     models["digits CNN"] = study_module.ForcedCampaign(cnn_template, str(cnn_ckpt), study_campaign.progress)
     results: dict[str, Any] = {}
@@ -199,10 +200,12 @@ def main(argv: list[str] | None = None) -> int:
                "torch": torch.__version__, "smoke": args.smoke}
     print(f"\nload average before {load}, after {after}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"(a) study wall / (baseline + sum of job seconds / jobs): {a['ratio']:.3f}  (goal <= 1.3)\n"
-          f"    wall {a['wall_s']:.1f} s; baseline {a['baseline_s']:.1f} s + {a['job_s_sum']:.1f} s of {a['jobs']} jobs / "
+          f"    wall {a['wall_s']:.1f} s; baseline {a['baseline_s']:.1f} s + {a['job_s_sum']:.1f} s of {a['jobs']} jobs"
+          " / "
           f"{a['workers']} = {a['training_s']:.1f} s; {a['progress_lines']} lines printed")
     print(f"(b) --no-retrain per draw / hand-written loop: {b['ratio']:.3f}  (goal <= 1.15)\n"
-          f"    {b['ours_ms']:.2f} ms against {b['hand_ms']:.2f} ms per draw over {b['draws']} draws; rounds {b['rounds']}")
+          f"    {b['ours_ms']:.2f} ms against {b['hand_ms']:.2f} ms per draw over {b['draws']} draws; "
+          f"rounds {b['rounds']}")
     print("(c) drawing / one forced evaluation  (goal <= 0.2)")
     for label, row in c.items():
         print(f"    {label}: {row['ratio']:.3f}  ({row['draw_ms']:.3f} ms against {row['evaluate_ms']:.3f} ms; "

@@ -177,7 +177,8 @@ def test_changed_bits_is_a_direct_count_of_the_stored_bits_the_faults_change(stu
 
 
 def test_every_runner_gives_the_same_faults_and_numbers(study, tmp_path, fork_runner):
-    """This process, forked workers (--jobs 2), Hydra's joblib launcher, submitit_local: one (rate, seed), one answer."""
+    """This process, forked workers (--jobs 2), Hydra's joblib and submitit_local launchers: one (rate, seed), one
+    answer."""
     ckpt = study / "baseline" / "pretrained.ckpt"
     expected = numbers(rows(study)[2:])
     runs = {"forked": ["--jobs", "2"], "joblib": ["--launcher", "joblib", "--jobs", "2"]}
@@ -285,7 +286,11 @@ def test_many_draws_restore_the_weights_exactly_without_copying_the_model(study,
 
     copies = []
     real = copy.deepcopy
-    monkeypatch.setattr(copy, "deepcopy", lambda obj, *a, **k: (copies.append(type(obj).__name__), real(obj, *a, **k))[1])
+    def counting(obj, *args, **kwargs):
+        copies.append(type(obj).__name__)
+        return real(obj, *args, **kwargs)
+
+    monkeypatch.setattr(copy, "deepcopy", counting)
     out = tmp_path / "many"
     assert faults("--kind", "cell", "--rates", "0.1,0.3", "--seeds", "30", "--no-retrain", "--out", str(out),
                   *TINY, f"ckpt_path={ckpt}") == 0
@@ -497,3 +502,21 @@ def test_the_table_is_one_line_per_rate_with_ci_and_says_when_jobs_diverged(caps
     # rate 0.5: forced mean 0.3, CI = t(1) * sd / sqrt(2) = 12.706 * 0.1414 / 1.414 = 1.271
     assert "0.300 ± 1.271" in out and "0/2, 1 diverged" in out
     assert "1 job(s) diverged" in out
+
+
+def test_a_config_dir_of_the_users_own_groups_composes_every_job(tmp_path, capsys):
+    """Study.config_dir (``--config-dir``): the user's config groups are searched before the app's, for the
+    baseline and every draw."""
+    groups = tmp_path / "conf" / "model"
+    groups.mkdir(parents=True)
+    (groups / "tiny_mlp.yaml").write_text("defaults:\n  - mlp\n  - _self_\n\nbackbone:\n  hidden: [8]\n")
+    out = tmp_path / "study"
+    study = study_module.Study(kind="cell", rates=(0.0, 0.3), seeds=1, no_retrain=True, out=str(out),
+                               config_dir=str(tmp_path / "conf"),
+                               overrides=("model=tiny_mlp", "pin.params=backbone.layers.*.weight", *TINY))
+    assert study_module.run_study(study) == 0
+    table = rows(out)
+    assert int(table[1]["pinned_elements"]) == round(0.3 * 64 * 8)  # the user's 64 -> 8 layer, not the app's MLP
+    missing = study_module.Study(out=str(tmp_path / "never"), config_dir=str(tmp_path / "nowhere"))
+    with pytest.raises(study_module.StudyError, match="is not a directory"):
+        study_module.run_study(missing)

@@ -690,7 +690,7 @@ def _run_forked(configs: Sequence[tuple[Job, Any]], workers: int, sweep_dir: Pat
 
 def _run_launcher(study: Study, ckpt: str, sweep_dir: Path, jobs: Sequence[Job], todo: Sequence[Job],
                   log_path: Path, progress: Progress, eta: _Eta) -> bool:
-    """The jobs as a Hydra multirun (``python -m lightning_pin.train -m``) on ``study.launcher``; True when it failed."""
+    """The jobs as a Hydra multirun (``python -m lightning_pin.train -m``) on ``study.launcher``; True if one failed."""
     sweep_dir = sweep_dir.resolve()
     kind = jobs[0].kind
     if jobs[0].param is not None:
@@ -723,7 +723,8 @@ def _run_launcher(study: Study, ckpt: str, sweep_dir: Path, jobs: Sequence[Job],
                     _report_job(job, sweep_dir, 0, progress, eta)
             if not alive:
                 break
-            progress.beat(lambda: eta.status(f"the {study.launcher} multirun running ({time.monotonic() - started:.0f} s)"))
+            progress.beat(lambda: eta.status(
+                f"the {study.launcher} multirun running ({time.monotonic() - started:.0f} s)"))
             time.sleep(0.25)
     if process.returncode != 0:
         _show_failure(log_path, f"a job of the {study.launcher} multirun failed")
@@ -812,6 +813,11 @@ class ForcedCampaign:
             limit = _batch_limit(template.trainer.get("limit_val_batches"), len(loader))
             self.batches = [batch for _, batch in zip(range(limit), loader)]
         self.torch = torch
+        # Read once: OmegaConf lookups would cost more per draw than drawing a few faults.
+        pin = template.pin
+        self._params = _plain(pin.params)
+        self._options = {key: _plain(pin.get(key)) for key in ("low", "high", "sa1_fraction", "cell_high", "bits",
+                                                               "one_fraction") if pin.get(key) is not None}
         monitor = template.callbacks.pin_callback.get("monitor") or {}
         self.tolerance = monitor.get("tolerance") if hasattr(monitor, "get") else None
         self.baseline = self.evaluate() if evaluate else None
@@ -835,13 +841,10 @@ class ForcedCampaign:
         from lightning_pin.app.fault_pins import draw_faults
         from lightning_pin.faults import flip_bits, forced_patch
 
-        pin = self.template.pin
-        params = job.param if job.param is not None else _plain(pin.params)
+        params = job.param if job.param is not None else self._params
         if job.kind == "flip":
-            return flip_bits(self.model, params, job.rate, bits=_plain(pin.get("bits")), seed=job.seed)
-        options = {key: _plain(pin.get(key)) for key in ("low", "high", "sa1_fraction", "cell_high", "bits",
-                                                         "one_fraction") if pin.get(key) is not None}
-        return forced_patch(self.model, draw_faults(self.model, job.kind, job.rate, job.seed, params, **options))
+            return flip_bits(self.model, params, job.rate, bits=self._options.get("bits"), seed=job.seed)
+        return forced_patch(self.model, draw_faults(self.model, job.kind, job.rate, job.seed, params, **self._options))
 
     def changed_bits(self, job: Job) -> int:
         with self.draw(job) as patch:
@@ -870,8 +873,9 @@ class ForcedCampaign:
             eta.ran += 1
             if time.monotonic() - last >= HEARTBEAT or index == len(jobs) - 1:
                 elapsed = time.monotonic() - eta.started
-                self.progress.line(f"[{index + 1}/{len(jobs)}] {what}: {job.label()}: forced {forced:.3f}, "
-                                   f"{_seconds(elapsed)} elapsed, ETA {_seconds(elapsed / (index + 1) * (len(jobs) - index - 1))}")
+                left = elapsed / (index + 1) * (len(jobs) - index - 1)
+                self.progress.line(f"[{index + 1}/{len(jobs)}] {what}: {job.label()}: forced {forced:.3f}; "
+                                   f"{_seconds(elapsed)} elapsed, ETA {_seconds(left)}")
                 last = time.monotonic()
         return report.sort_rows(rows, "param" if jobs and jobs[0].param is not None else "rate")
 

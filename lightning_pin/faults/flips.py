@@ -20,7 +20,7 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import resolve
 from lightning_pin.core.spec import Pin
 from lightning_pin.core.state import BITS_DTYPES
-from lightning_pin.faults._common import Params, check_fraction, check_seed, floating_parameters
+from lightning_pin.faults._common import Params, check_fraction, check_seed, exact_name, floating_parameters
 from lightning_pin.faults.bits import BitSpec, _ranges, bit_positions, drawn_pairs
 
 #: Set bits of every byte value (a popcount without torch.bitwise_count, which torch lacks).
@@ -112,9 +112,16 @@ def forced_patch(module: nn.Module, pins: Sequence[Pin]) -> WordPatch:
     indices or a mask. Resolved with the engine's own rules (:func:`lightning_pin.core.plan.resolve`),
     so a value lands in the parameter's dtype as it would in training.
 
+    Pins as the generators draw them (one pin per parameter, its exact name, ``indices`` and per-element
+    values or masks) are read directly, without resolving them again: a campaign of many draws pays
+    for the faults it writes, not for the plan. Anything else goes through :func:`resolve`.
+
     Raises:
         PinError: a pin of another kind (bounds, ``when``, step windows), or one :func:`resolve` refuses.
     """
+    direct = _direct_patch(module, pins)
+    if direct is not None:
+        return direct
     changes: dict[str, tuple[Tensor, Tensor, Rewrite]] = {}
     for resolved in resolve(list(pins), module).pins:
         for name, selection in resolved.selections.items():
@@ -135,6 +142,40 @@ def forced_patch(module: nn.Module, pins: Sequence[Pin]) -> WordPatch:
                 changes[name] = (parameter, index, lambda old, new=new: new)
             else:
                 raise PinError(f"forced_patch: {resolved.pin!r} is not a value or stuck-bit fault")
+    return WordPatch(changes)
+
+
+def _direct_patch(module: nn.Module, pins: Sequence[Pin]) -> Optional[WordPatch]:
+    """The patch of generator-drawn pins, read from their fields; None when a pin is of any other form."""
+    named = dict(module.named_parameters())
+    changes: dict[str, tuple[Tensor, Tensor, Rewrite]] = {}
+    for pin in pins:
+        name = exact_name(pin.params) if isinstance(pin.params, str) else None
+        parameter = named.get(name) if name is not None else None
+        plain = (pin.mask is None and pin.fraction is None and pin.when is None and pin.start_step == 0
+                 and pin.stop_step is None and pin.bounds is None)
+        if parameter is None or name in changes or not plain or not isinstance(pin.indices, Tensor):
+            return None
+        if parameter.dtype not in BITS_DTYPES or not parameter.is_contiguous():
+            return None
+        indices = pin.indices
+        if indices.dtype not in (torch.int32, torch.int64) or indices.ndim != 2 or indices.shape[1] != parameter.ndim:
+            return None
+        strides = torch.tensor(parameter.stride(), dtype=torch.int64)
+        index = (indices.to(torch.int64) * strides).sum(dim=1)
+        count = index.numel()
+        word = BITS_DTYPES[parameter.dtype]
+        zero, one = pin.stuck_at_zero, pin.stuck_at_one
+        if zero is not None or one is not None:
+            masks = [m for m in (zero, one) if m is not None]
+            if not all(isinstance(m, Tensor) and m.dtype == word and m.shape == (count,) for m in masks):
+                return None
+            changes[name] = (parameter, index, _stuck(zero, one, word))
+        elif isinstance(pin.value, Tensor) and pin.value.dtype == parameter.dtype and pin.value.shape == (count,):
+            new = pin.value.contiguous().view(word)
+            changes[name] = (parameter, index, lambda old, new=new: new)
+        else:
+            return None
     return WordPatch(changes)
 
 
@@ -170,7 +211,7 @@ class BitFlips(WordPatch):
 
 
 def flip_bits(module: nn.Module, params: Params, rate: float, *, bits: BitSpec = None, seed: int = 0) -> BitFlips:
-    """Transient bit flips: each (element, bit) pair of the matched parameters' stored words flips with probability ``rate``.
+    """Transient bit flips: each (element, bit) pair of the matched parameters' words flips with probability ``rate``.
 
     Positions are drawn as :func:`~lightning_pin.faults.bit_faults` draws its stuck bits (the same
     ``bits`` choices; with one seed the same pairs, nested across rates), at a cost of about the

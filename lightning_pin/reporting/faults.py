@@ -142,7 +142,7 @@ def retrained(rows: Sequence[Mapping[str, Any]]) -> bool:
 
 
 def print_curve(rows: Sequence[Mapping[str, Any]], title: str, by: str = "rate") -> None:
-    """One line per rate (or parameter): forced and final, mean ± 95% CI over seeds (forced only without retraining)."""
+    """One line per rate (or parameter): forced and final, mean ± 95% CI over seeds (forced only, not retrained)."""
     points = aggregate(rows, by)
     full = retrained(rows)
     columns = [
