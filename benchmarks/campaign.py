@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -48,19 +49,35 @@ def study_overhead(out: Path, args: list[str]) -> dict[str, Any]:
     """(a): run the study as a command; its wall time over baseline + sum(job seconds) / jobs."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "lightning_pin.cli", "faults", *args, "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=3600)
+    process = subprocess.Popen([sys.executable, "-m", "lightning_pin.cli", "faults", *args, "--out", str(out)],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    timed = [(time.perf_counter() - started, line.rstrip("\n")) for line in process.stdout]  # each line when it came
+    stderr = process.stderr.read()
+    process.wait(timeout=3600)
     wall = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"the study failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    if process.returncode != 0:
+        raise SystemExit(f"the study failed:\n{timed[-20:]}\n{stderr[-3000:]}")
     baseline = json.loads((out / "baseline" / "run_summary.json").read_text())["seconds"]
     jobs = [json.loads(p.read_text())["seconds"] for p in (out / "jobs").glob("*/run_summary.json")]
     workers = int(args[args.index("--jobs") + 1])
     training = baseline + sum(jobs) / workers
-    lines = done.stdout.splitlines()
+    def at(prefix: str) -> float:
+        return next((t for t, line in timed if line.startswith(prefix)), math.nan)
+
+    # Where the wall time went, from when each stage's first line arrived.
+    stages = {
+        "start-up until the first line (python, import lightning_pin)": at("lightning-pin faults:"),
+        "imports of the app (torch, Lightning, Hydra)": at("composing the job config") - at("lightning-pin faults:"),
+        "composing": at("baseline:") - at("composing the job config"),
+        "baseline": at("fault curve:") - at("baseline:"),
+        "jobs": at("counting the stored bits") - at("fault curve:"),
+        "changed_bits, plots, table, exit": wall - at("counting the stored bits"),
+    }
+    gaps = [b[0] - a[0] for a, b in zip(timed, timed[1:])]
     return {"wall_s": round(wall, 2), "baseline_s": baseline, "jobs": len(jobs), "job_s_sum": round(sum(jobs), 2),
             "workers": workers, "training_s": round(training, 2), "ratio": round(wall / training, 3),
-            "progress_lines": len(lines)}
+            "progress_lines": len(timed), "stages_s": {k: round(v, 2) for k, v in stages.items()},
+            "longest_silence_after_first_line_s": round(max(gaps, default=0.0), 2)}
 
 
 def _campaign(out: Path, overrides: list[str]) -> Any:
@@ -191,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         print("(a) the study as a command ...", flush=True)
         a = study_overhead(out, SMOKE if args.smoke else STUDY)
         print("(b) --no-retrain per draw against a hand-written loop ...", flush=True)
-        b = no_retrain_per_draw(out, overrides, draws=4 if args.smoke else 100, rounds=2 if args.smoke else 5)
+        b = no_retrain_per_draw(out, overrides, draws=4 if args.smoke else 200, rounds=2 if args.smoke else 9)
         print("(c) drawing against one forced evaluation ...", flush=True)
-        c = drawing_over_evaluation(out, overrides, rounds=2 if args.smoke else 5, repeat=2 if args.smoke else 20)
+        c = drawing_over_evaluation(out, overrides, rounds=2 if args.smoke else 7, repeat=2 if args.smoke else 20)
     after = os.getloadavg() if hasattr(os, "getloadavg") else None
     results = {"study_overhead": a, "no_retrain_per_draw": b, "drawing_over_evaluation": c,
                "load_average_before": load, "load_average_after": after, "threads": torch.get_num_threads(),
@@ -202,7 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(a) study wall / (baseline + sum of job seconds / jobs): {a['ratio']:.3f}  (goal <= 1.3)\n"
           f"    wall {a['wall_s']:.1f} s; baseline {a['baseline_s']:.1f} s + {a['job_s_sum']:.1f} s of {a['jobs']} jobs"
           " / "
-          f"{a['workers']} = {a['training_s']:.1f} s; {a['progress_lines']} lines printed")
+          f"{a['workers']} = {a['training_s']:.1f} s; {a['progress_lines']} lines printed, the longest silence "
+          f"after the first {a['longest_silence_after_first_line_s']:.1f} s")
+    for stage, seconds in a["stages_s"].items():
+        print(f"      {stage}: {seconds:.1f} s")
     print(f"(b) --no-retrain per draw / hand-written loop: {b['ratio']:.3f}  (goal <= 1.15)\n"
           f"    {b['ours_ms']:.2f} ms against {b['hand_ms']:.2f} ms per draw over {b['draws']} draws; "
           f"rounds {b['rounds']}")

@@ -133,3 +133,17 @@ def test_forced_patch_writes_what_the_engine_forces_and_counts_changed_bits(kind
     direct = sum(popcount(before[n] ^ theirs[n], 32) for n in before)
     assert patch.changed_bits == direct > 0
     assert changed_bits(before["0.weight"], theirs["0.weight"]) == popcount(before["0.weight"] ^ theirs["0.weight"], 32)
+
+
+def test_a_parameter_replaced_under_its_name_is_the_one_drawn_on():
+    """The generators remember which parameters a pattern matched on a module (a campaign draws hundreds of times):
+    a parameter replaced under the same name is matched again, not the stale one."""
+    net = nn.Linear(8, 8)
+    first = cell_faults(net, "weight", rate=0.5, seed=0)
+    net.weight = nn.Parameter(torch.full((8, 8), 3.0))
+    (again,) = cell_faults(net, "weight", rate=0.5, seed=0)
+    assert torch.equal(first[0].indices, again.indices)  # the same cells (seeded by name) ...
+    assert set(again.value.abs().tolist()) <= {0.0, 3.0}  # ... reading the new parameter's magnitude
+    with flip_bits(net, "weight", rate=0.5, seed=0):
+        assert not torch.equal(net.weight.detach(), torch.full((8, 8), 3.0))
+    assert torch.equal(net.weight.detach(), torch.full((8, 8), 3.0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional, Union
 
@@ -57,14 +58,36 @@ def floating_parameters(module: nn.Module, params: Params, who: str) -> dict[str
     """The parameters ``params`` matches, by (first) name; PinError for a pattern without match."""
     if not isinstance(module, nn.Module):
         raise PinError(f"{who}: module must be a torch.nn.Module, got {type(module).__name__}")
-    selections = resolve([Pin(params)], module).pins[0].selections
-    named = {name: selection.parameter for name, selection in selections.items()}
+    named = _matched(module, params)
     odd = [f"{name} ({p.dtype})" for name, p in named.items() if not p.is_floating_point()]
     if odd:
         raise PinError(
             f"{who}: {', '.join(odd)} {'is' if len(odd) == 1 else 'are'} not floating point: fault models act on "
             "the stored words of float weights; narrow params to float parameters"
         )
+    return named
+
+
+#: Per module: which parameters each pattern matched, and the (name, parameter) list it was matched on.
+_MATCHES: "weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[list, dict[str, Tensor]]]]" = weakref.WeakKeyDictionary()
+
+
+def _matched(module: nn.Module, params: Params) -> dict[str, Tensor]:
+    """The parameters ``params`` matches (:func:`resolve`'s rules), remembered while the module keeps the same
+    parameters under the same names: a campaign draws hundreds of times on one model."""
+    try:
+        key: Any = params if isinstance(params, str) else tuple(params)
+        hash(key)
+    except TypeError:
+        key = None
+    current = [(name, id(p)) for name, p in module.named_parameters(remove_duplicate=False)]
+    held = _MATCHES.get(module, {}).get(key) if key is not None else None
+    if held is not None and held[0] == current:
+        return dict(held[1])
+    selections = resolve([Pin(params)], module).pins[0].selections
+    named = {name: selection.parameter for name, selection in selections.items()}
+    if key is not None:
+        _MATCHES.setdefault(module, {})[key] = (current, dict(named))
     return named
 
 
