@@ -554,7 +554,7 @@ def _run_jobs(study: Study, template: Any, ckpt: str, sweep_dir: Path, jobs: Seq
                 status = _in_process(cfg, sweep_dir / job.name / JOB_LOG)
         failed |= _report_job(job, sweep_dir, status, progress, eta)
     if forked:
-        failed |= _run_forked(forked, study.jobs, sweep_dir, progress, eta)
+        failed |= _run_forked(forked, study.jobs, sweep_dir, progress, eta, idle=report.preload)
     return failed
 
 
@@ -655,7 +655,7 @@ def _fork_job(cfg: Any, log_path: Path, threads: int) -> int:
 
 
 def _run_forked(configs: Sequence[tuple[Job, Any]], workers: int, sweep_dir: Path, progress: Progress,
-                eta: _Eta) -> bool:
+                eta: _Eta, idle: Callable[[], Any] = lambda: None) -> bool:
     """Up to ``workers`` jobs at a time, each in a worker forked from this process (imports done, no threads)."""
     threads = max(1, (os.cpu_count() or 1) // workers)
     queue = list(configs)
@@ -672,6 +672,9 @@ def _run_forked(configs: Sequence[tuple[Job, Any]], workers: int, sweep_dir: Pat
                 if done:
                     job, _ = running.pop(pid)
                     failed |= _report_job(job, sweep_dir, os.waitstatus_to_exitcode(status), progress, eta)
+            if running and not queue and idle is not None:
+                idle()  # the last worker is forked: work that needs no fork after it (imports for the plots)
+                idle = None
             if running:
                 time.sleep(0.05)
                 progress.beat(lambda: eta.status(", ".join(

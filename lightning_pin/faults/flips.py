@@ -31,9 +31,8 @@ def changed_bits(before: Tensor, after: Tensor) -> int:
     """How many bits differ between two tensors of words (any dtype; compared as bytes)."""
     if before.numel() == 0:
         return 0
-    a = before.contiguous().view(torch.uint8).to(torch.int64)
-    b = after.contiguous().view(torch.uint8).to(torch.int64)
-    return int(_POPCOUNT[a ^ b].sum())
+    differ = before.contiguous().view(torch.uint8) ^ after.contiguous().view(torch.uint8)
+    return int(_POPCOUNT[differ.long()].sum())
 
 
 def _words(parameter: Tensor, name: str) -> Tensor:
@@ -85,10 +84,10 @@ class WordPatch:
             raise PinError("this patch is already in the weights: enter it once at a time")
         changed = 0
         with torch.no_grad():
-            self._saved = [words[index].clone() for words, index, _ in self._changes]
+            self._saved = [words[index] for words, index, _ in self._changes]  # indexing copies
             try:
                 for (words, index, rewrite), old in zip(self._changes, self._saved):
-                    new = rewrite(old).to(words.dtype)
+                    new = rewrite(old)
                     words[index] = new
                     changed += changed_bits(old, new)
             except BaseException:
@@ -172,7 +171,7 @@ def _direct_patch(module: nn.Module, pins: Sequence[Pin]) -> Optional[WordPatch]
                 return None
             changes[name] = (parameter, index, _stuck(zero, one, word))
         elif isinstance(pin.value, Tensor) and pin.value.dtype == parameter.dtype and pin.value.shape == (count,):
-            new = pin.value.contiguous().view(word)
+            new = pin.value.contiguous().view(word).to(parameter.device)
             changes[name] = (parameter, index, lambda old, new=new: new)
         else:
             return None
@@ -181,9 +180,12 @@ def _direct_patch(module: nn.Module, pins: Sequence[Pin]) -> Optional[WordPatch]
 
 def _stuck(zero: Optional[Tensor], one: Optional[Tensor], dtype: torch.dtype) -> Rewrite:
     def rewrite(old: Tensor) -> Tensor:
-        z = torch.zeros_like(old) if zero is None else zero.reshape(-1).to(device=old.device, dtype=dtype)
-        o = torch.zeros_like(old) if one is None else one.reshape(-1).to(device=old.device, dtype=dtype)
-        return (old & ~z) | o
+        new = old
+        if zero is not None:
+            new = new & ~zero.reshape(-1).to(device=old.device, dtype=dtype)
+        if one is not None:
+            new = new | one.reshape(-1).to(device=old.device, dtype=dtype)
+        return new.to(old.dtype)
 
     return rewrite
 

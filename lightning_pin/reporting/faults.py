@@ -338,6 +338,17 @@ def plot_layers(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") 
     return path
 
 
+def preload() -> None:
+    """Import what the plots need (about a second), e.g. while the last jobs of a study run."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import matplotlib.backends.backend_agg  # noqa: F401
+            import matplotlib.figure  # noqa: F401
+        except ImportError:
+            pass
+
+
 def _figure() -> Any:
     try:
         from matplotlib.figure import Figure
