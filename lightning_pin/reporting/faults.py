@@ -248,7 +248,8 @@ def plot_curve(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -
     count = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
     note = (f"no confidence band with fewer than {MIN_SEEDS_FOR_CI} seeds" if seeds and seeds[0] < MIN_SEEDS_FOR_CI
             else "band: 95% CI of the mean" + (", clipped to [0, 1]" if clipped_any else ""))
-    ax.set_title(title or f"Accuracy against fault rate: {count} seed(s) per rate\n({note})", fontsize=10)
+    what = "Accuracy against fault rate" if retrained(rows) else "Forced accuracy (no retraining) against fault rate"
+    ax.set_title(title or f"{what}: {count} seed(s) per rate\n({note})", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=7.5, frameon=False)
     fig.tight_layout()
