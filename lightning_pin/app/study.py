@@ -806,6 +806,7 @@ class ForcedCampaign:
         load_weights(self.model, ckpt)
         self.model.eval()
         self._reference = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self._parameters = dict(self.model.named_parameters())
         self.sizes = {n: p.numel() for n, p in self.model.named_parameters()}
         self.batches: list[Any] = []
         if evaluate:
@@ -831,13 +832,13 @@ class ForcedCampaign:
 
         torch = self.torch
         correct = torch.zeros((), dtype=torch.int64)
-        total = torch.zeros((), dtype=torch.int64)
+        total = 0
         with torch.no_grad():
             for batch in self.batches:
                 preds, target = default_predict(self.model, batch)
                 correct += (preds.argmax(dim=1) == target).sum()
                 total += target.numel()
-        return float(correct / total)
+        return float(correct / torch.tensor(total))  # int64 / int64 -> float32, as torchmetrics divides
 
     def draw(self, job: Job) -> Any:
         """The job's faults on the model, as a patch to enter (:class:`~lightning_pin.faults.WordPatch`)."""
@@ -847,7 +848,8 @@ class ForcedCampaign:
         params = job.param if job.param is not None else self._params
         if job.kind == "flip":
             return flip_bits(self.model, params, job.rate, bits=self._options.get("bits"), seed=job.seed)
-        return forced_patch(self.model, draw_faults(self.model, job.kind, job.rate, job.seed, params, **self._options))
+        pins = draw_faults(self.model, job.kind, job.rate, job.seed, params, **self._options)
+        return forced_patch(self.model, pins, parameters=self._parameters)
 
     def changed_bits(self, job: Job) -> int:
         with self.draw(job) as patch:

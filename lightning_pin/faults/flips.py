@@ -10,7 +10,7 @@ draws never copies the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -103,7 +103,8 @@ class WordPatch:
                 words[index] = old
 
 
-def forced_patch(module: nn.Module, pins: Sequence[Pin]) -> WordPatch:
+def forced_patch(module: nn.Module, pins: Sequence[Pin], *,
+                 parameters: Optional[Mapping[str, Tensor]] = None) -> WordPatch:
     """The words the fault ``pins`` force on ``module`` (what their first restore writes), as a :class:`WordPatch`.
 
     For the pins the fault generators draw: values (:func:`~lightning_pin.faults.cell_faults`, the
@@ -115,10 +116,13 @@ def forced_patch(module: nn.Module, pins: Sequence[Pin]) -> WordPatch:
     values or masks) are read directly, without resolving them again: a campaign of many draws pays
     for the faults it writes, not for the plan. Anything else goes through :func:`resolve`.
 
+    ``parameters``: ``dict(module.named_parameters())`` when the caller holds it (a campaign that
+    draws many times on one module).
+
     Raises:
         PinError: a pin of another kind (bounds, ``when``, step windows), or one :func:`resolve` refuses.
     """
-    direct = _direct_patch(module, pins)
+    direct = _direct_patch(module, pins, parameters)
     if direct is not None:
         return direct
     changes: dict[str, tuple[Tensor, Tensor, Rewrite]] = {}
@@ -144,9 +148,10 @@ def forced_patch(module: nn.Module, pins: Sequence[Pin]) -> WordPatch:
     return WordPatch(changes)
 
 
-def _direct_patch(module: nn.Module, pins: Sequence[Pin]) -> Optional[WordPatch]:
+def _direct_patch(module: nn.Module, pins: Sequence[Pin],
+                  parameters: Optional[Mapping[str, Tensor]] = None) -> Optional[WordPatch]:
     """The patch of generator-drawn pins, read from their fields; None when a pin is of any other form."""
-    named = dict(module.named_parameters())
+    named = parameters if parameters is not None else dict(module.named_parameters())
     changes: dict[str, tuple[Tensor, Tensor, Rewrite]] = {}
     for pin in pins:
         name = exact_name(pin.params) if isinstance(pin.params, str) else None
