@@ -509,3 +509,27 @@ def test_bit_and_cell_faults_hold_under_pin_callback():
     stuck, _ = held_bits(bits, lit.net.conv.weight)
     assert torch.equal(stuck, bits.stuck_at_one)
     assert torch.equal(lit.net.fc.weight.detach()[tuple(cells.indices.T)], cells.value)
+
+
+@pytest.mark.parametrize("generator", ["cell", "flip"])
+def test_cell_faults_and_flip_bits_draw_in_time_of_their_faults(generator):
+    """As bit_faults: about as many random numbers as faults, however large the parameter."""
+    from lightning_pin.faults import flip_bits
+
+    module = nn.Module()
+    module.w = nn.Parameter(torch.ones(1_000_000))
+    drawn = []
+    real = torch.randint
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        drawn.append(out.numel())
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "randint", counting)
+        if generator == "cell":
+            faults = cell_faults(module, "w", rate=1e-4, seed=1).faulty["w"]
+        else:
+            faults = flip_bits(module, "w", rate=1e-5, seed=1).flipped["w"]
+    assert faults > 50 and 0 < sum(drawn) <= 1.1 * faults + 200
