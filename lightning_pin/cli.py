@@ -5,7 +5,8 @@
     lightning-pin diff A.ckpt B.ckpt    # what changed between two checkpoints; do saved pins hold in B?
     lightning-pin check PINNED FILE...  # do the saved pins hold in exported models?
     lightning-pin export RUN_DIR [--to FILE.safetensors|FILE.onnx]   # an app run's pinned model, exported
-    lightning-pin faults [--kind K] [--rates R1,R2] [--seeds N] [--jobs J] [--out DIR] [OVERRIDES]
+    lightning-pin faults [--kind K] [--rates R1,R2] [--seeds N] [--no-retrain] [--jobs J] [--launcher L] [--out DIR]
+                         [OVERRIDES]
                                         # accuracy against the fault rate, forced and retrained (a study)
     lightning-pin tune [--trials N] [--param KEY=SPEC] [--objectives final:max,...] [OVERRIDES]
                                         # Optuna >= 3 over the app (SQLite, pruning, NSGA-II Pareto front)
@@ -115,14 +116,23 @@ def build_parser() -> argparse.ArgumentParser:
         "fault_curve.csv and fault_curve.png into --out. The same (rate, seed) always draws the same faults; a rerun "
         "with the same --out skips finished jobs. Exit status 2 for bad arguments.",
     )
-    faults.add_argument("--kind", default="value", help="value (stuck at random values), cell (stuck-at-0/1), bit")
+    faults.add_argument("--kind", default="value", help="value (stuck at random values), cell (stuck-at-0/1), bit "
+                        "(stuck bits), flip (transient bit flips; implies --no-retrain)")
     faults.add_argument("--rates", default="0,0.05,0.1,0.2,0.5", help="fault rates in [0, 1], comma separated "
                         "(0 is the unfaulted control; default: %(default)s)")
     faults.add_argument("--seeds", type=int, default=3, help="fault maps per rate (seeds 0..N-1; default: 3)")
     faults.add_argument("--per-layer", action="store_true",
                         help="also put the faults in one parameter at a time: layer_sensitivity.csv / .png")
     faults.add_argument("--layer-rate", type=float, help="the rate of --per-layer (default: the largest of --rates)")
-    faults.add_argument("--jobs", type=int, default=1, help="jobs in parallel (Hydra's joblib launcher)")
+    faults.add_argument("--no-retrain", action="store_true",
+                        help="forced accuracy only (a test-time campaign): every draw in this process, the weights "
+                        "restored exactly after each; final, gap and recovered_step stay empty")
+    faults.add_argument("--jobs", type=int, default=1,
+                        help="jobs at a time: workers forked from this process after the imports (default: 1, in "
+                        "this process)")
+    faults.add_argument("--launcher", choices=None,
+                        help="run the jobs through a Hydra multirun on this launcher instead: joblib, submitit_local, "
+                        "submitit_slurm (with its hydra.launcher.* overrides)")
     faults.add_argument("--out", help="the study's directory (default: outputs/faults/<date>/<time>)")
     faults.add_argument("overrides", nargs="*", help="Hydra overrides for every job (recovery=distill, optimizer=sgd)")
 
@@ -262,11 +272,29 @@ def _faults(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
     try:
         study = Study(kind=args.kind, rates=parse_rates(args.rates), seeds=args.seeds, per_layer=args.per_layer,
-                      layer_rate=args.layer_rate, jobs=args.jobs, out=args.out,
-                      overrides=(*args.overrides, *extra))
-        return run_study(study)
+                      layer_rate=args.layer_rate, jobs=args.jobs, out=args.out, no_retrain=args.no_retrain,
+                      launcher=args.launcher, overrides=(*args.overrides, *extra),
+                      **({"config_dir": args.config_dir} if getattr(args, "config_dir", None) else {}))
+        status = run_study(study)
     except StudyError as err:
         return _fail("faults", str(err))
+    if _running_as_the_command("faults"):
+        # Everything is written and flushed: tearing down an interpreter that holds torch and Lightning
+        # takes seconds (as long as a short study's training), for nothing.
+        import os
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def _running_as_the_command(command: str) -> bool:
+    """Whether this process is ``lightning-pin COMMAND`` itself (not a caller of :func:`main`, such as a test)."""
+    import os
+
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return sys.argv[1:2] == [command] and program in ("lightning-pin", "lightning-pin.exe", "cli.py")
 
 
 def _tune(args: argparse.Namespace, extra: Sequence[str]) -> int:
