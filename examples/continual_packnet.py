@@ -157,7 +157,7 @@ def task_ownership(data, epochs, seed, optimizer_name="adamw", release="zero"):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="continual_out", help="directory for the JSON report and the heat map")
+    parser.add_argument("--out", default="outputs/continual", help="directory for the JSON report and the heat map")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")

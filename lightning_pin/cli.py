@@ -4,8 +4,9 @@
     lightning-pin report RUN_DIR        # pin_report.json / .png from a run's metrics.csv or TensorBoard events
     lightning-pin diff A.ckpt B.ckpt    # what changed between two checkpoints; do saved pins hold in B?
     lightning-pin check PINNED FILE...  # do the saved pins hold in exported models?
-    lightning-pin export RUN_DIR --to model.safetensors|model.onnx   # an app run's pinned model, exported
-    lightning-pin faults [--kind K] [--rates R1,R2] [--seeds N] [--jobs J] [--out DIR] [OVERRIDES]
+    lightning-pin export RUN_DIR [--to FILE.safetensors|FILE.onnx]   # an app run's pinned model, exported
+    lightning-pin faults [--kind K] [--rates R1,R2] [--seeds N] [--no-retrain] [--jobs J] [--launcher L] [--out DIR]
+                         [OVERRIDES]
                                         # accuracy against the fault rate, forced and retrained (a study)
     lightning-pin tune [--trials N] [--param KEY=SPEC] [--objectives final:max,...] [OVERRIDES]
                                         # Optuna >= 3 over the app (SQLite, pruning, NSGA-II Pareto front)
@@ -25,11 +26,14 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn, Optional
 
 
 #: Exit status for bad input (missing, empty or unreadable files; data that would be lost; usage).
 BAD_INPUT = 2
+#: What ``export`` writes without ``--to``: inside the run directory (under ``outputs/``, which git ignores).
+DEFAULT_EXPORT = "model.safetensors"
 
 #: Every subcommand and its one-line summary (the ``--help`` description lists them all).
 SUMMARIES = {
@@ -85,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--lower-is-better", action="store_true", default=None, help="the metric is an error (MSE, ...), not a score"
     )
     report.add_argument("--no-plot", action="store_true", help="skip pin_report.png")
+    report.add_argument("--allow-truncated", action="store_true",
+                        help="report a TensorBoard event file that ends inside a record (a cut run) up to the cut")
     report.add_argument(
         "--force", action="store_true", help="replace an existing pin_report.json even if it holds more data"
     )
@@ -110,15 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
         "fault_curve.csv and fault_curve.png into --out. The same (rate, seed) always draws the same faults; a rerun "
         "with the same --out skips finished jobs. Exit status 2 for bad arguments.",
     )
-    faults.add_argument("--kind", default="value", help="value (stuck at random values), cell (stuck-at-0/1), bit")
+    faults.add_argument("--kind", default="value", help="value (stuck at random values), cell (stuck-at-0/1), bit "
+                        "(stuck bits), flip (transient bit flips; implies --no-retrain)")
     faults.add_argument("--rates", default="0,0.05,0.1,0.2,0.5", help="fault rates in [0, 1], comma separated "
                         "(0 is the unfaulted control; default: %(default)s)")
     faults.add_argument("--seeds", type=int, default=3, help="fault maps per rate (seeds 0..N-1; default: 3)")
     faults.add_argument("--per-layer", action="store_true",
                         help="also put the faults in one parameter at a time: layer_sensitivity.csv / .png")
     faults.add_argument("--layer-rate", type=float, help="the rate of --per-layer (default: the largest of --rates)")
-    faults.add_argument("--jobs", type=int, default=1, help="jobs in parallel (Hydra's joblib launcher)")
-    faults.add_argument("--out", help="the study's directory (default: faults/<date>/<time>)")
+    faults.add_argument("--no-retrain", action="store_true",
+                        help="forced accuracy only (a test-time campaign): every draw in this process, the weights "
+                        "restored exactly after each; final, gap and recovered_step stay empty")
+    faults.add_argument("--jobs", type=int, default=1,
+                        help="jobs at a time: workers forked from this process after the imports (default: 1, in "
+                        "this process)")
+    faults.add_argument("--launcher", choices=None,
+                        help="run the jobs through a Hydra multirun on this launcher instead: joblib, submitit_local, "
+                        "submitit_slurm (with its hydra.launcher.* overrides)")
+    faults.add_argument("--out", help="the study's directory (default: outputs/faults/<date>/<time>)")
     faults.add_argument("overrides", nargs="*", help="Hydra overrides for every job (recovery=distill, optimizer=sgd)")
 
     tune = commands.add_parser(
@@ -126,8 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="an Optuna (>= 3) search over the app: one objective (TPE, per-epoch pruning) or several (NSGA-II, "
         "Pareto front); Hydra overrides follow",
         description="Each trial composes the app's config with the parameters Optuna asks for and runs the job; the "
-        "study is kept in DIR/tune.db (SQLite), so the same command resumes it. Several --objectives print and plot "
-        "the Pareto front (DIR/pareto.png, DIR/trials.csv). Needs pip install 'lightning-pin[tune]'.",
+        "study is kept in DIR/tune.db (SQLite), so the same command resumes it. Every trial's config is composed "
+        "before the first trains (a bad override, --param key or objective: exit 2, one line). One line per trial "
+        "(its own output in DIR/trial_N/trial.log), then a table: every trial and DIR/trials.png for one objective, "
+        "the Pareto front and DIR/pareto.png for several (and DIR/trials.csv). Needs pip install "
+        "'lightning-pin[tune]'.",
     )
     tune.add_argument("--trials", type=int, default=12, help="finished trials the study should hold (default: 12)")
     tune.add_argument("--param", action="append", default=[], metavar="KEY=SPEC",
@@ -136,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--objectives", default="final:max",
                       help="KEY:max|min, comma separated: run summary keys (final, gap) or config keys (pin.rate); "
                       "two or more: NSGA-II (default: %(default)s)")
-    tune.add_argument("--out", help="the study's directory (default: tune/<date>/<time>)")
+    tune.add_argument("--out", help="the study's directory (default: outputs/tune/<date>/<time>)")
     tune.add_argument("--study-name", default="lightning_pin")
     tune.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     tune.add_argument("--no-prune", action="store_true", help="never prune a trial (single objective)")
@@ -165,7 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
         "ONNX needs pip install 'lightning-pin[export]'.",
     )
     export.add_argument("run_dir", help="the run directory (outputs/<date>/<time>)")
-    export.add_argument("--to", required=True, help="the file to write: model.safetensors or model.onnx")
+    export.add_argument("--to", help="the file to write: a .safetensors or .onnx file (default: "
+                        "RUN_DIR/model.safetensors, beside the run's checkpoints)")
+    export.add_argument("--force", action="store_true",
+                        help="replace an existing --to file even if it is not a model export")
     return parser
 
 
@@ -210,7 +231,8 @@ def _report(args: argparse.Namespace) -> int:
         csv_path = reporting.find_metrics_csv(args.run_dir)
         higher_is_better = None if args.lower_is_better is None else not args.lower_is_better
         report = reporting.report_from_csv(
-            csv_path, metric=args.metric, tolerance=args.tolerance, higher_is_better=higher_is_better
+            csv_path, metric=args.metric, tolerance=args.tolerance, higher_is_better=higher_is_better,
+            allow_truncated=args.allow_truncated,
         )
         out = args.out or (csv_path if csv_path.is_dir() else csv_path.parent)
         reporting.check_destination(out, plot=not args.no_plot)
@@ -224,12 +246,13 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from lightning_pin.core.io import TensorFileError, load_checkpoint
+    from lightning_pin.core.io import TensorFileError
     from lightning_pin.core.state import CorruptPinState
     from lightning_pin.reporting import diff as ckpt_diff
 
     try:
-        a, b = load_checkpoint(args.a), load_checkpoint(args.b)
+        # Every layout `check` reads: Lightning checkpoints, state dicts, {"model": ..., "pins": ...}.
+        a, b = ckpt_diff.read_checkpoint(args.a), ckpt_diff.read_checkpoint(args.b)
         result = ckpt_diff.diff_checkpoints(a, b, names=(args.a, args.b))
     except (TensorFileError, CorruptPinState, OSError) as err:
         return _fail("diff", str(err))
@@ -249,11 +272,29 @@ def _faults(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
     try:
         study = Study(kind=args.kind, rates=parse_rates(args.rates), seeds=args.seeds, per_layer=args.per_layer,
-                      layer_rate=args.layer_rate, jobs=args.jobs, out=args.out,
-                      overrides=(*args.overrides, *extra))
-        return run_study(study)
+                      layer_rate=args.layer_rate, jobs=args.jobs, out=args.out, no_retrain=args.no_retrain,
+                      launcher=args.launcher, overrides=(*args.overrides, *extra),
+                      **({"config_dir": args.config_dir} if getattr(args, "config_dir", None) else {}))
+        status = run_study(study)
     except StudyError as err:
         return _fail("faults", str(err))
+    if _running_as_the_command("faults"):
+        # Everything is written and flushed: tearing down an interpreter that holds torch and Lightning
+        # takes seconds (as long as a short study's training), for nothing.
+        import os
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def _running_as_the_command(command: str) -> bool:
+    """Whether this process is ``lightning-pin COMMAND`` itself (not a caller of :func:`main`, such as a test)."""
+    import os
+
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return sys.argv[1:2] == [command] and program in ("lightning-pin", "lightning-pin.exe", "cli.py")
 
 
 def _tune(args: argparse.Namespace, extra: Sequence[str]) -> int:
@@ -294,10 +335,11 @@ def _export(args: argparse.Namespace) -> int:
     try:
         from lightning_pin.app.export import export_run
 
-        path = export_run(args.run_dir, args.to)
+        to = args.to or Path(args.run_dir) / DEFAULT_EXPORT
+        path = export_run(args.run_dir, to, force=args.force)
     except (PinError, ImportError, OSError) as err:
         return _fail("export", str(err))
-    print(f"wrote {path}; verify it with: lightning-pin check {args.run_dir}/pinned.ckpt {path}")
+    print(f"wrote {path}; verify it with: lightning-pin check {Path(args.run_dir) / 'pinned.ckpt'} {path}")
     return 0
 
 

@@ -117,6 +117,8 @@ def test_every_option_of_the_table_runs_one_short_epoch(tmp_path, group, option)
         (["trainer.max_epochs=-1"], "trainer.max_epochs=-1 would retrain for ever"),
         (["trainer.max_epochs=0"], "trainer.max_epochs=0 retrains nothing"),
         (["pretrain.max_epochs=-1"], "pretrain.max_epochs=-1 would pretrain for ever"),
+        (["trainer.max_steps=0"], "trainer.max_steps=0 retrains nothing"),
+        (["trainer.max_epochs=-1", "trainer.max_steps=0"], "trainer.max_steps=0 retrains nothing"),
     ],
 )
 def test_endless_or_empty_lengths_are_refused_before_anything_runs(tmp_path, overrides, message):

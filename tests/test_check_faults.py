@@ -157,4 +157,6 @@ def test_diff_checks_stuck_bits_and_bounds_in_b(run, capsys):
     assert main(["diff", str(run.out / "a.ckpt"), str(run.out / "b.ckpt")]) == 1
     out = capsys.readouterr().out
     assert f"on conv.weight ({len(run.bits.indices)} elements, stuck bits): 1 element(s) OFF TARGET" in out
+    # The element and its word, as `check` names them.
+    assert f"{list(position)} = " in out and f"wrong: 0x{1 << stuck:08x}" in out
     assert "on head.bias (3 elements, bounds): holds" in out

@@ -270,3 +270,39 @@ def test_diff_on_corrupt_pin_state_exits_2_naming_the_checkpoint(tmp_path, capsy
     assert main(["diff", a, b]) == 2
     line = _one_error_line(capsys, "diff")
     assert f"the pin state \"PinCallback{{'pins': ['x']}}\" in {b} is corrupt: {phrase}" in line
+
+
+def test_diff_reads_the_plain_loop_layout_and_names_the_elements_off_target(tmp_path, capsys):
+    # The README's plain-loop save: {"model": model.state_dict(), "pins": handle.state_dict()}, as `check` reads it.
+    weights, state = _model_and_state()
+    torch.save({"model": weights, "pins": state}, tmp_path / "a.pt")
+    assert main(["diff", str(tmp_path / "a.pt"), str(tmp_path / "a.pt")]) == 0
+    assert "all active pins hold in B" in capsys.readouterr().out
+    off = {k: v.clone() for k, v in weights.items()}
+    off["0.weight"][1, 2] = 0.25
+    torch.save({"model": off, "pins": state}, tmp_path / "b.pt")
+    torch.save(off, tmp_path / "bare.pt")  # B as the model's state dict alone: the pins come from A
+    for b in ("b.pt", "bare.pt"):
+        assert main(["diff", str(tmp_path / "a.pt"), str(tmp_path / b)]) == 1
+        captured = capsys.readouterr()
+        assert "1 element(s) OFF TARGET" in captured.out and captured.err == ""
+        # The element and its words, as `lightning-pin check` names them.
+        assert "[1, 2] = 0.25, target 0.5" in captured.out
+    assert main(["diff", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--json"]) == 1
+    (pin,) = json.loads(capsys.readouterr().out)["pins"]
+    assert pin["shown"] == [{"position": [1, 2], "value": 0.25, "target": 0.5, "expected": None}]
+
+
+def test_diff_names_at_most_the_first_few_elements_off_target(tmp_path, capsys):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    engine = PinEngine(resolve([Pin("0.weight", value=0.5)], model))
+    engine.set_active(engine.ids_at(0))
+    engine.restore()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    a = _checkpoint(tmp_path / "a.ckpt", weights, engine.state_dict())
+    off = {k: v.clone() for k, v in weights.items()}
+    off["0.weight"] += 1.0
+    b = _checkpoint(tmp_path / "b.ckpt", off, engine.state_dict())
+    assert main(["diff", a, b]) == 1
+    out = capsys.readouterr().out
+    assert "32 element(s) OFF TARGET" in out and "[0, 0] = 1.5, target 0.5" in out and "... and 22 more" in out

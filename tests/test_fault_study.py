@@ -1,21 +1,25 @@
 """``lightning-pin faults`` on a tiny budget (2 rates x 2 seeds, one epoch): the CSV with every column and the
-PNG, identical faults for the same (rate, seed) whatever the recipe, ``--jobs 2`` equal to ``--jobs 1``, resume,
-per-layer sensitivity, and bad arguments exiting 2 with one line.
+PNG, identical faults and numbers for the same (rate, seed) whatever the runner (this process, forked workers,
+Hydra's joblib and submitit_local launchers) and the recipe, resume (also past an unreadable job summary), per-layer
+sensitivity, ``--no-retrain`` and ``--kind flip`` campaigns, ``changed_bits``, progress lines, and bad arguments
+exiting 2 with one line before any work.
 
-The study runs its jobs as a child ``python -m lightning_pin.train -m ...``; most tests here fork that child from
-tests/fork_runner.py's process, which imported torch, Lightning and Hydra once (:func:`forked_jobs`). The joblib
-test (``--jobs 2``) starts it as a fresh interpreter, as the study does for a user (joblib's workers, started from a
-forked process, took minutes to come up)."""
+The study runs its jobs in the test's own process (``--jobs 1``) or in workers it forks (``--jobs 2``). The
+launcher tests start the multirun child on tests/fork_runner.py (imports done once, :func:`forked_jobs`), except
+joblib, whose loky workers are fresh interpreters as they are for a user."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import io
+import json
 import math
 import os
 import shutil
 import subprocess
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -30,6 +34,9 @@ from lightning_pin.reporting import faults as report
 TINY = ["pretrain.max_epochs=1", "trainer.max_epochs=1", "trainer.limit_train_batches=6", "data.batch_size=128",
         "callbacks.pin_callback.verbose=false", "callbacks.pin_callback.monitor.report=false"]
 RATES = "0,0.2"
+#: Columns that must agree between two runs of the same jobs (not seconds, not where they ran).
+NUMBERS = ("kind", "rate", "seed", "baseline", "forced", "final", "gap", "recovered_step", "pinned_elements",
+           "changed_bits", "pins_exact")
 
 
 def faults(*args: str) -> int:
@@ -39,6 +46,10 @@ def faults(*args: str) -> int:
 def rows(directory: Path, name: str = report.FAULT_CURVE_CSV) -> list[dict[str, str]]:
     with open(directory / name, newline="") as file:
         return list(csv.DictReader(file))
+
+
+def numbers(table, columns=NUMBERS):
+    return [[r[c] for c in columns] for r in table]
 
 
 def bits(path: Path) -> dict[str, torch.Tensor]:
@@ -66,13 +77,13 @@ class _ForkedJobs:
     """What the study needs of ``subprocess.Popen`` (``poll``, ``returncode``), running the command on the fork
     runner in a thread; its output goes to the study's log when it ends."""
 
-    def __init__(self, runner, args, stdout, stderr):
+    def __init__(self, runner, args, stdout, stderr, env=None):
         self.returncode = None
-        self._thread = threading.Thread(target=self._run, args=(runner, list(args), stdout), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(runner, list(args), stdout, env), daemon=True)
         self._thread.start()
 
-    def _run(self, runner, args, log):
-        done = runner.run(args, cwd=os.getcwd(), env=dict(os.environ), timeout=600)
+    def _run(self, runner, args, log, env):
+        done = runner.run(args, cwd=os.getcwd(), env=dict(env or os.environ), timeout=600)
         log.write(done.stdout + done.stderr)
         log.flush()
         self.returncode = done.returncode
@@ -83,25 +94,43 @@ class _ForkedJobs:
 
 @contextlib.contextmanager
 def forked_jobs(runner):
-    """The study's job processes fork from the fork runner (no interpreter start-up and imports per study)."""
+    """A launcher's multirun child forks from the fork runner (no interpreter start-up and imports per study)."""
     with pytest.MonkeyPatch.context() as patch:
         forked = types.SimpleNamespace(
-            Popen=lambda args, stdout, stderr: _ForkedJobs(runner, args, stdout, stderr), STDOUT=subprocess.STDOUT
+            Popen=lambda args, stdout, stderr, env=None: _ForkedJobs(runner, args, stdout, stderr, env),
+            STDOUT=subprocess.STDOUT,
         )
         patch.setattr(study_module, "subprocess", forked)
         yield
 
 
 @pytest.fixture(scope="module")
-def study(tmp_path_factory, fork_runner):
+def study(tmp_path_factory):
     out = tmp_path_factory.mktemp("study")
-    with forked_jobs(fork_runner):
-        status = faults("--rates", RATES, "--seeds", "2", "--per-layer", "--out", str(out), *TINY)
+    status = faults("--rates", RATES, "--seeds", "2", "--per-layer", "--out", str(out), *TINY)
     assert status == 0, (out / "study.log").read_text()[-3000:]
     return out
 
 
-def test_writes_every_column_the_png_and_a_table(study, capsys):
+def popcount_difference(a: torch.Tensor, b: torch.Tensor) -> int:
+    x = (a.view(-1).view(torch.int32) ^ b.view(-1).view(torch.int32)).to(torch.int64) & 0xFFFFFFFF
+    return int(sum(((x >> bit) & 1).sum() for bit in range(32)))
+
+
+def baseline_model(study: Path):
+    """The app's model with the study's baseline weights, its config and state dict."""
+    from hydra.utils import instantiate
+
+    from lightning_pin.app.compose import compose_app
+
+    state = torch.load(study / "baseline" / "pretrained.ckpt", weights_only=True)["state_dict"]
+    cfg = compose_app([*TINY, "pin=faults"], study / "x")
+    model = instantiate(cfg.model, _partial_=True, _convert_="all")(optimizer=instantiate(cfg.optimizer))
+    model.load_state_dict(state)
+    return model, cfg, state
+
+
+def test_writes_every_column_the_png_and_a_table(study):
     table = rows(study)
     assert list(table[0]) == list(report.COLUMNS)
     assert [(r["kind"], float(r["rate"]), int(r["seed"])) for r in table] == [
@@ -114,72 +143,214 @@ def test_writes_every_column_the_png_and_a_table(study, capsys):
     assert len({r["baseline"] for r in table}) == 1
     control, faulty = table[0], table[2]
     assert control["pinned_elements"] == "0" and control["forced"] == control["baseline"]
+    assert control["changed_bits"] == "0"
     assert int(faulty["pinned_elements"]) == round(0.2 * 16 * 9) + round(0.2 * 32 * 16 * 9)
     assert float(faulty["forced"]) < float(faulty["baseline"])  # stuck values in [-2, 2) hurt before retraining
     png = study / report.FAULT_CURVE_PNG
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
-    # --per-layer: one parameter at a time, at the largest rate
+    # --per-layer: one parameter at a time, at the largest rate, with each parameter's size
     layers = rows(study, report.LAYER_CSV)
     assert sorted({r["param"] for r in layers}) == ["backbone.features.0.weight", "backbone.features.2.weight"]
     assert {float(r["rate"]) for r in layers} == {0.2} and len(layers) == 4
+    assert {r["param"]: r["elements"] for r in layers} == {"backbone.features.0.weight": "144",
+                                                           "backbone.features.2.weight": "4608"}
     assert (study / report.LAYER_PNG).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_same_rate_and_seed_draw_the_same_faults_whatever_the_recipe_and_launcher(study, tmp_path, fork_runner):
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    other = tmp_path / "sgd"
+def test_changed_bits_is_a_direct_count_of_the_stored_bits_the_faults_change(study):
+    """Load the baseline, force the job's saved faults with the engine, count differing bits one by one."""
+    from lightning_pin.app.fault_pins import draw_faults
+    from lightning_pin.core.engine import PinEngine
+    from lightning_pin.core.plan import resolve
+
+    table = rows(study)
+    model, cfg, state = baseline_model(study)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for row in table[2:]:
+        pins = draw_faults(model, "value", 0.2, int(row["seed"]), cfg.pin.params, low=-2.0, high=2.0)
+        engine = PinEngine(resolve(pins, model))
+        engine.set_active(range(len(pins)))
+        engine.force()
+        direct = sum(popcount_difference(before[n], p.detach()) for n, p in model.named_parameters())
+        assert int(row["changed_bits"]) == direct > 0
+        model.load_state_dict(state)
+
+
+def test_every_runner_gives_the_same_faults_and_numbers(study, tmp_path, fork_runner):
+    """This process, forked workers (--jobs 2), Hydra's joblib and submitit_local launchers: one (rate, seed), one
+    answer."""
     ckpt = study / "baseline" / "pretrained.ckpt"
-    # Another recipe (SGD), on submitit's local launcher (what submitit_slurm runs on a cluster): the multirun
-    # forks from the fork runner, submitit starts its job in a fresh interpreter.
-    with forked_jobs(fork_runner):
-        status = faults("--rates", "0.2", "--seeds", "1", "--out", str(other), *TINY, f"ckpt_path={ckpt}",
-                        "optimizer=sgd", "hydra/launcher=submitit_local")
-    assert status == 0, (other / "study.log").read_text()[-3000:]
-    assert (other / "jobs" / ".submitit").is_dir()
+    expected = numbers(rows(study)[2:])
+    runs = {"forked": ["--jobs", "2"], "joblib": ["--launcher", "joblib", "--jobs", "2"]}
+    if pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="submitit") is not None:
+        runs["submitit_local"] = ["--launcher", "submitit_local"]
+    for name, options in runs.items():
+        out = tmp_path / name
+        # The fixture's recipe had no ckpt_path: a new directory for a new recipe.
+        args = ["--rates", "0.2", "--seeds", "2", *options, "--out", str(out), *TINY, f"ckpt_path={ckpt}"]
+        runner = forked_jobs(fork_runner) if name == "submitit_local" else contextlib.nullcontext()
+        with runner:
+            status = faults(*args)
+        assert status == 0, (name, (out / "study.log").read_text()[-3000:] if (out / "study.log").exists() else "")
+        assert numbers(rows(out)) == expected, name
+        job = "jobs/value_rate0.2_seed0/fault_map.pt"
+        first, again = bits(study / job), bits(out / job)
+        assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first), name
+    assert "hydra/launcher=joblib" in (tmp_path / "joblib" / "study.log").read_text()
+    if "submitit_local" in runs:
+        assert (tmp_path / "submitit_local" / "jobs" / ".submitit").is_dir()
+    # ... and another seed draws other faults (the check above can fail).
+    seed1 = bits(study / "jobs/value_rate0.2_seed1/fault_map.pt")
+    first = bits(study / "jobs/value_rate0.2_seed0/fault_map.pt")
+    assert not all(torch.equal(first[k], seed1[k]) for k in first)
+
+
+def test_another_recipe_meets_the_same_faults(study, tmp_path):
+    ckpt = study / "baseline" / "pretrained.ckpt"
+    other = tmp_path / "sgd"
+    assert faults("--rates", "0.2", "--seeds", "1", "--out", str(other), *TINY, f"ckpt_path={ckpt}",
+                  "optimizer=sgd") == 0
     job = "jobs/value_rate0.2_seed0/fault_map.pt"
     first, again = bits(study / job), bits(other / job)
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
-    # ... and another seed draws other faults (the check above can fail).
-    seed1 = bits(study / "jobs/value_rate0.2_seed1/fault_map.pt")
-    assert not all(torch.equal(first[k], seed1[k]) for k in first)
     # The same baseline and faults, another optimizer: forced equal, final not.
     a, b = rows(study)[2], rows(other)[0]
-    assert (a["baseline"], a["forced"]) == (b["baseline"], b["forced"]) and a["final"] != b["final"]
+    assert (a["baseline"], a["forced"], a["changed_bits"]) == (b["baseline"], b["forced"], b["changed_bits"])
+    assert a["final"] != b["final"]
 
 
-def test_two_parallel_jobs_give_the_numbers_of_one(study, tmp_path):
-    parallel = tmp_path / "parallel"
-    ckpt = study / "baseline" / "pretrained.ckpt"
-    # The fixture's recipe had no ckpt_path: a new directory for a new recipe (see test_resume... below).
-    status = faults("--rates", "0.2", "--seeds", "2", "--jobs", "2", "--out", str(parallel), *TINY, f"ckpt_path={ckpt}")
-    assert status == 0, (parallel / "study.log").read_text()[-3000:]
-    numbers = ("kind", "rate", "seed", "baseline", "forced", "final", "recovered_step", "pinned_elements")
-    assert [[r[c] for c in numbers] for r in rows(parallel)] == [[r[c] for c in numbers] for r in rows(study)[2:]]
-    assert "hydra/launcher=joblib" in (parallel / "study.log").read_text()
-
-
-def test_rerun_skips_finished_jobs(study, tmp_path, fork_runner):
+def test_rerun_skips_finished_jobs_and_reruns_one_whose_summary_is_unreadable(study, tmp_path, capsys):
     resumed = tmp_path / "resumed"
     shutil.copytree(study, resumed)
-    # An interrupted study: one job never finished.
-    shutil.rmtree(resumed / "jobs/value_rate0.2_seed1")
+    shutil.rmtree(resumed / "jobs/value_rate0.2_seed1")  # an interrupted study: one job never finished
+    broken = resumed / "jobs/value_rate0.0_seed1/run_summary.json"
+    broken.write_text('{"job": nul')  # and one summary cut short
     finished = resumed / "jobs/value_rate0.2_seed0/run_summary.json"
     before = finished.stat().st_mtime_ns
-    (resumed / "study.log").write_text("")
-    with forked_jobs(fork_runner):
-        status = faults("--rates", RATES, "--seeds", "2", "--out", str(resumed), *TINY)
-    assert status == 0, (resumed / "study.log").read_text()[-3000:]
-    log = (resumed / "study.log").read_text()
-    assert "pretrain.only=true" not in log  # the baseline is reused, not pretrained again
-    assert log.count("Skipped:") == 3 and finished.stat().st_mtime_ns == before
+    assert faults("--rates", RATES, "--seeds", "2", "--out", str(resumed), *TINY) == 0
+    out = capsys.readouterr().out
+    assert "baseline: " in out and "(reused)" in out  # the baseline is reused, not pretrained again
+    assert f"{broken} is unreadable" in out and "running that job again" in out
+    assert "fault curve: 4 job(s) in this process, 2 finished before (skipped)" in out
+    assert finished.stat().st_mtime_ns == before and json.loads(broken.read_text())["fault"]["seed"] == 1
     same = [c for c in report.COLUMNS if c not in ("seconds", "job_dir")]
-    assert [[r[c] for c in same] for r in rows(resumed)] == [[r[c] for c in same] for r in rows(study)]
+    assert numbers(rows(resumed), same) == numbers(rows(study), same)
 
 
-def test_a_directory_holding_another_recipe_is_refused(study, capsys):
+def test_progress_says_every_stage_and_each_job_with_an_eta(study, capsys):
+    # A rerun of the fixture (every job finished) still says each stage; a fresh one is in the fixture's log.
+    assert faults("--rates", RATES, "--seeds", "2", "--per-layer", "--out", str(study), *TINY) == 0
+    out = capsys.readouterr().out
+    for stage in ("loading torch, Lightning and the app", "composing the job config", "baseline: ",
+                  "fault curve: 4 job(s)", "per layer: 4 job(s)", "plotting fault_curve.png",
+                  "plotting layer_sensitivity.png", "wrote "):
+        assert stage in out, stage
+
+
+def test_progress_lines_for_jobs_carry_an_eta_and_a_heartbeat_breaks_silence(study, tmp_path, capsys):
+    ckpt = study / "baseline" / "pretrained.ckpt"
+    assert faults("--rates", "0.2", "--seeds", "2", "--out", str(tmp_path / "p"), *TINY, f"ckpt_path={ckpt}") == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in lines] == ["[1/2", "[2/2"]
+    assert all("ETA" in line and "forced" in line and "final" in line for line in lines)
+    stream = io.StringIO()
+    progress = study_module.Progress(stream)
+    with progress.stage("a slow stage"):
+        time.sleep(study_module.HEARTBEAT + 0.6)
+    said = stream.getvalue().splitlines()
+    assert said[0] == "a slow stage ..." and any("a slow stage: 2 s ..." in line for line in said[1:-1])
+    assert said[-1].startswith("  a slow stage: done in")
+
+
+def test_no_retrain_rows_are_the_retrained_studys_forced_numbers(study, tmp_path):
+    ckpt = study / "baseline" / "pretrained.ckpt"
+    out = tmp_path / "forced"
+    assert faults("--rates", RATES, "--seeds", "2", "--no-retrain", "--per-layer", "--out", str(out), *TINY,
+                  f"ckpt_path={ckpt}") == 0
+    table, retrained = rows(out), rows(study)
+    assert list(table[0]) == list(report.COLUMNS)
+    forced = ("kind", "rate", "seed", "baseline", "forced", "pinned_elements", "changed_bits")
+    assert numbers(table, forced) == numbers(retrained, forced)  # the same draws, the same evaluation, bit for bit
+    assert all(r["final"] == r["gap"] == r["recovered_step"] == "" for r in table)
+    assert not (out / "jobs").exists()  # one process, no job directories
+    layers = rows(out, report.LAYER_CSV)
+    assert numbers(layers, ("param", *forced)) == numbers(rows(study, report.LAYER_CSV), ("param", *forced))
+    assert (out / report.FAULT_CURVE_PNG).is_file()
+
+
+def test_many_draws_restore_the_weights_exactly_without_copying_the_model(study, tmp_path, monkeypatch):
+    """--seeds 30 --no-retrain: every draw undone bit for bit (checked after the campaign), and no deep copy of
+    the model per draw (counted on copy.deepcopy and state_dict, the two ways a copy would be made)."""
+    ckpt = study / "baseline" / "pretrained.ckpt"
+    import copy
+
+    copies = []
+    real = copy.deepcopy
+    def counting(obj, *args, **kwargs):
+        copies.append(type(obj).__name__)
+        return real(obj, *args, **kwargs)
+
+    monkeypatch.setattr(copy, "deepcopy", counting)
+    out = tmp_path / "many"
+    assert faults("--kind", "cell", "--rates", "0.1,0.3", "--seeds", "30", "--no-retrain", "--out", str(out),
+                  *TINY, f"ckpt_path={ckpt}") == 0
+    assert len(rows(out)) == 60 and len({r["forced"] for r in rows(out)}) > 5
+    assert not [name for name in copies if "Classifier" in name or "Module" in name]
+
+
+def test_kind_flip_flips_the_drawn_bits_for_the_evaluation_only(study, tmp_path):
+    from lightning_pin.faults import flip_bits
+
+    ckpt = study / "baseline" / "pretrained.ckpt"
+    out = tmp_path / "flip"
+    assert faults("--kind", "flip", "--rates", "0,1e-3,0.01", "--seeds", "2", "--out", str(out), *TINY,
+                  f"ckpt_path={ckpt}") == 0
+    table = rows(out)
+    assert [r["kind"] for r in table] == ["flip"] * 6 and all(r["final"] == "" for r in table)
+    # Every flip changes exactly one stored bit: changed_bits is the number of flips flip_bits draws.
+    model, cfg, _ = baseline_model(study)
+    for row in table:
+        flips = flip_bits(model, cfg.pin.params, float(row["rate"]), seed=int(row["seed"]))
+        assert int(row["changed_bits"]) == sum(flips.flipped.values())
+    assert int(table[-1]["changed_bits"]) > int(table[2]["changed_bits"]) > 0
+    assert json.loads((out / "study.json").read_text())["retrain"] is False
+
+
+@pytest.mark.parametrize("kind", ["bit", "cell"])
+def test_bit_and_cell_kinds_run_end_to_end(study, tmp_path, kind):
+    """``--kind bit`` (stuck bits) and ``--kind cell`` (stuck-at cells) on the study's baseline: every job's pins
+    verified bit for bit, the faulty rate pins something, and a stuck-at study changes about half the bits a flip
+    study changes at the same positions (the other half already held the stuck value)."""
+    ckpt = study / "baseline" / "pretrained.ckpt"
+    rate = "0.01" if kind == "bit" else "0.2"
+    out = tmp_path / kind
+    assert faults("--kind", kind, "--rates", f"0,{rate}", "--seeds", "1", "--out", str(out), f"ckpt_path={ckpt}",
+                  *TINY) == 0
+    table = rows(out)
+    assert [(r["kind"], float(r["rate"])) for r in table] == [(kind, 0.0), (kind, float(rate))]
+    assert all(r["pins_exact"] == "true" for r in table)
+    assert table[0]["pinned_elements"] == "0" and int(table[1]["pinned_elements"]) > 0
+    if kind == "bit":
+        flips = tmp_path / "flips"
+        assert faults("--kind", "flip", "--rates", rate, "--seeds", "1", "--out", str(flips), f"ckpt_path={ckpt}",
+                      *TINY) == 0
+        stuck, flipped = int(table[1]["changed_bits"]), int(rows(flips)[0]["changed_bits"])
+        assert 0.35 * flipped < stuck < 0.65 * flipped
+
+
+def test_a_directory_holding_another_recipe_or_kind_is_refused(study, tmp_path, capsys):
     assert faults("--rates", RATES, "--seeds", "2", "--out", str(study), *TINY, "optimizer=sgd") == 2
+    for args in (["--kind", "cell"], ["--no-retrain"]):
+        assert faults(*args, "--rates", RATES, "--seeds", "2", "--out", str(study), *TINY) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "give this recipe its own --out" in err[0]
+    assert len(err) == 3 and all("give this recipe its own --out" in line for line in err)
+    assert "holds a study of --kind value, not --kind cell" in err[1]
+    # An older study.json without the kind: read from its jobs' directories.
+    old = tmp_path / "old"
+    (old / "jobs" / "cell_rate0.2_seed0").mkdir(parents=True)
+    (old / "study.json").write_text(json.dumps({"overrides": TINY}))
+    assert faults("--rates", RATES, "--out", str(old), *TINY) == 2
+    assert "holds a study of --kind cell, not --kind value" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -192,13 +363,90 @@ def test_a_directory_holding_another_recipe_is_refused(study, capsys):
         (["--kind", "laser"], "unknown --kind 'laser'"),
         (["--jobs", "0"], "--jobs must be at least 1"),
         (["pin.rate=0.3"], "is set by the study itself"),
+        (["--launcher", "ray"], "unknown --launcher 'ray'"),
+        (["--kind", "flip", "--launcher", "joblib"], "--kind flip measures every draw in this process"),
+        (["trainer.max_epoch=1"], "the job config does not compose"),
+        (["optimizer=nosuch"], "the job config does not compose"),
+        (["trainer.max_epochs=0"], "trainer.max_epochs=0 retrains nothing"),
     ],
 )
-def test_bad_arguments_exit_2_with_one_line(args, says, tmp_path, capsys):
+def test_bad_arguments_exit_2_with_one_line_before_any_work(args, says, tmp_path, capsys):
     assert faults(*args, "--out", str(tmp_path / "never")) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and says in err[0] and err[0].startswith("lightning-pin faults: error:")
+    assert len(err) == 1 and says in err[0] and err[0].startswith("lightning-pin faults: error:"), err
     assert not (tmp_path / "never").exists()  # nothing was started
+
+
+def test_out_naming_a_file_exits_2_with_one_line(tmp_path, capsys):
+    path = tmp_path / "notes.txt"
+    path.write_text("mine")
+    assert faults("--out", str(path)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a file: give a directory" in err[0] and path.read_text() == "mine"
+
+
+def _figure(monkeypatch):
+    """The Figure a plot function saves (its savefig writes nothing)."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: saved.append(self))
+    return saved
+
+
+def _curve_rows(seeds, forced=lambda r, s: 0.9 - r - 0.3 * s, final=lambda r, s: 0.95):
+    return [dict(kind="cell", rate=r, seed=s, baseline=0.9, tolerance=0.01, forced=forced(r, s), final=final(r, s))
+            for r in (0.0, 0.1, 0.3) for s in range(seeds)]
+
+
+def test_the_curve_draws_every_seed_and_no_band_below_three_seeds(monkeypatch, tmp_path):
+    from matplotlib.collections import PathCollection, PolyCollection
+
+    saved = _figure(monkeypatch)
+    report.plot_curve(_curve_rows(2), tmp_path / "c.png")
+    ax = saved[-1].axes[0]
+    points = sum(len(c.get_offsets()) for c in ax.collections if isinstance(c, PathCollection))
+    bands = [c for c in ax.collections if isinstance(c, PolyCollection) and "CI" in str(c.get_label())]
+    assert points == 2 * 3 * 2 and not bands  # every seed's forced and final point; no t-band of 2 seeds
+    assert "no confidence band with fewer than 3 seeds" in ax.get_title()
+    # 3 seeds: a band, and when it reaches past [0, 1] it is clipped and says so.
+    report.plot_curve(_curve_rows(3, forced=lambda r, s: [0.05, 0.95, 0.5][s]), tmp_path / "c.png")
+    ax = saved[-1].axes[0]
+    labels = [str(c.get_label()) for c in ax.collections if isinstance(c, PolyCollection)]
+    assert "95% CI (Student's t), clipped to [0, 1]" in labels
+    assert "clipped to [0, 1]" in ax.get_title()
+    ys = [v[1] for c in ax.collections if isinstance(c, PolyCollection) for p in c.get_paths() for v in p.vertices]
+    assert 0.0 <= min(ys) and max(ys) <= 1.0
+
+
+def test_a_forced_only_curve_has_no_final_series(monkeypatch, tmp_path):
+    saved = _figure(monkeypatch)
+    report.plot_curve(_curve_rows(3, final=lambda r, s: None), tmp_path / "c.png")
+    labels = [str(h.get_label()) for h in saved[-1].axes[0].get_legend().legend_handles]
+    assert any("forced" in text for text in labels) and not any("final" in text for text in labels)
+
+
+def test_layer_sensitivity_bars_stay_on_the_axis_name_sizes_and_keep_the_legend_off_the_bars(monkeypatch, tmp_path):
+    saved = _figure(monkeypatch)
+    layer = [dict(kind="cell", rate=0.3, seed=s, param=p, elements=e, baseline=0.9, forced=f, final=0.97,
+                  pinned_elements=round(0.3 * e))
+             for p, e in (("backbone.layers.0.weight", 1024), ("backbone.layers.1.weight", 256))
+             for s, f in enumerate([0.05, 0.95, 0.5])]
+    report.plot_layers(layer, tmp_path / "l.png")
+    fig = saved[-1]
+    ax = fig.axes[0]
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert ticks == ["layers.0.weight\n1,024 elements, 307 faulty", "layers.1.weight\n256 elements, 77 faulty"]
+    from matplotlib.collections import LineCollection
+
+    ys = [v[1] for c in ax.collections if isinstance(c, LineCollection) for seg in c.get_segments() for v in seg]
+    assert ys and 0.0 <= min(ys) and max(ys) <= 1.0  # error bars clipped to [0, 1] ...
+    assert "clipped to [0, 1]" in ax.get_title()  # ... and the figure says so
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()
+    legend = ax.get_legend().get_window_extent()
+    assert legend.y1 <= ax.get_window_extent().y0  # below the axis: over no bar
 
 
 @pytest.mark.parametrize(
@@ -242,22 +490,6 @@ def test_draw_faults_kinds_and_the_control():
         assert a.params == b.params and torch.equal(a.indices, b.indices) and torch.equal(a.value, b.value)
 
 
-def test_bit_and_cell_kinds_run_end_to_end(study, tmp_path, fork_runner):
-    """``--kind bit`` (stuck bits, bit_faults) and ``--kind cell`` (stuck-at cells, cell_faults) on the
-    study's baseline: every job's pins verified bit for bit, the faulty rate pins something."""
-    ckpt = next(study.rglob("pretrained.ckpt"))
-    for kind, rate in (("bit", "0.01"), ("cell", "0.2")):
-        out = tmp_path / kind
-        with forked_jobs(fork_runner):
-            status = faults("--kind", kind, "--rates", f"0,{rate}", "--seeds", "1", "--out", str(out),
-                            f"ckpt_path={ckpt}", *TINY)
-        assert status == 0, (out / "study.log").read_text()[-3000:]
-        table = rows(out)
-        assert [(r["kind"], float(r["rate"])) for r in table] == [(kind, 0.0), (kind, float(rate))]
-        assert all(r["pins_exact"] == "true" for r in table)
-        assert table[0]["pinned_elements"] == "0" and int(table[1]["pinned_elements"]) > 0
-
-
 def test_the_table_is_one_line_per_rate_with_ci_and_says_when_jobs_diverged(capsys):
     rows = [dict(kind="value", rate=r, seed=s, baseline=0.9, forced=f, final=fin, gap=0.9 - fin, tolerance=0.01,
                  recovered_step=None, pins_exact=True, diverged=d)
@@ -270,3 +502,21 @@ def test_the_table_is_one_line_per_rate_with_ci_and_says_when_jobs_diverged(caps
     # rate 0.5: forced mean 0.3, CI = t(1) * sd / sqrt(2) = 12.706 * 0.1414 / 1.414 = 1.271
     assert "0.300 ± 1.271" in out and "0/2, 1 diverged" in out
     assert "1 job(s) diverged" in out
+
+
+def test_a_config_dir_of_the_users_own_groups_composes_every_job(tmp_path, capsys):
+    """Study.config_dir (``--config-dir``): the user's config groups are searched before the app's, for the
+    baseline and every draw."""
+    groups = tmp_path / "conf" / "model"
+    groups.mkdir(parents=True)
+    (groups / "tiny_mlp.yaml").write_text("defaults:\n  - mlp\n  - _self_\n\nbackbone:\n  hidden: [8]\n")
+    out = tmp_path / "study"
+    study = study_module.Study(kind="cell", rates=(0.0, 0.3), seeds=1, no_retrain=True, out=str(out),
+                               config_dir=str(tmp_path / "conf"),
+                               overrides=("model=tiny_mlp", "pin.params=backbone.layers.*.weight", *TINY))
+    assert study_module.run_study(study) == 0
+    table = rows(out)
+    assert int(table[1]["pinned_elements"]) == round(0.3 * 64 * 8)  # the user's 64 -> 8 layer, not the app's MLP
+    missing = study_module.Study(out=str(tmp_path / "never"), config_dir=str(tmp_path / "nowhere"))
+    with pytest.raises(study_module.StudyError, match="is not a directory"):
+        study_module.run_study(missing)

@@ -85,7 +85,7 @@ def test_cell_faults_are_nested_across_rates():
 
 def test_cell_faults_cells_are_uniform():
     module = nn.Module()
-    module.w = nn.Parameter(torch.zeros(100, 100))
+    module.w = nn.Parameter(torch.ones(100, 100))
     hits = torch.zeros(100, 100)
     for seed in range(20):
         (p,) = cell_faults(module, "w", rate=0.1, seed=seed)
@@ -331,22 +331,70 @@ def test_bit_faults_are_seeded_by_seed_and_name_only():
     ]
 
 
-def test_bit_faults_redraw_patterns_that_would_read_inf_or_nan_and_skip_what_cannot_be_redrawn():
+def test_bit_faults_keep_patterns_that_would_read_inf_or_nan_finite_by_their_last_exponent_bit():
+    """A pattern whose stuck bits alone read inf / NaN (every exponent bit stuck at one) has the exponent bit
+    drawn last read zero: nothing is skipped, and (unlike re-drawing all its polarities) the draws stay nested."""
     module = nn.Module()
     module.w = nn.Parameter(torch.zeros(4096))
     # Every exponent bit stuck: at one_fraction 0.5, 1 in 256 elements first draws all of them at one.
     pins = bit_faults(module, "w", rate=1.0, bits="exponent", seed=0)
     zero, one = stuck_pairs(pins[0])
-    assert torch.equal(zero | one, torch.full((4096,), 0x7F800000))  # nothing skipped: all re-drawn
+    assert torch.equal(zero | one, torch.full((4096,), 0x7F800000))  # nothing skipped
     assert not bool((one == 0x7F800000).any())
     assert 0 < pins.redrawn < 60 and pins.skipped == 0
     assert f"{pins.redrawn} re-drawn, 0 skipped" in pins.summary
-    # At one_fraction 1 no polarity can help: every element is skipped, and the summary says so.
-    none = bit_faults(module, "w", rate=1.0, bits="exponent", one_fraction=1.0)
-    assert none == [] and none.skipped == 4096 and none.redrawn == 0 and "0 re-drawn, 4096 skipped" in none.summary
-    # Stuck mantissa bits do not save an element whose exponent reads all ones.
+    # At one_fraction 1 every element would read inf: each keeps exactly one exponent bit at zero.
+    ones = bit_faults(module, "w", rate=1.0, bits="exponent", one_fraction=1.0)
+    zero, one = stuck_pairs(ones[0])
+    assert ones.redrawn == 4096 and ones.skipped == 0
+    assert torch.equal(zero | one, torch.full((4096,), 0x7F800000))
+    assert bool((bits_of(zero, 32).sum(dim=1) == 1).all())
+    # Stuck mantissa bits do not save an element whose exponent reads all ones: the same rule.
     some = bit_faults(module, "w", rate=1.0, bits=["exponent", "mantissa"], one_fraction=1.0)
-    assert some == [] and some.skipped == 4096
+    zero, one = stuck_pairs(some[0])
+    assert some.redrawn == 4096 and bool(((zero & 0x7F800000) != 0).all())
+
+
+@pytest.mark.parametrize("one_fraction", [0.5, 0.9, 1.0])
+def test_bit_faults_stay_nested_where_patterns_are_kept_finite(one_fraction):
+    """The case that re-drawing polarities broke: exponent bits at a high one_fraction. Every stuck bit of a lower
+    rate is stuck at a higher one, reading the same, while the words stay finite."""
+    module = nn.Module()
+    module.w = nn.Parameter(torch.zeros(3000))
+    previous: dict[tuple[int, int], int] = {}
+    for rate in (0.2, 0.5, 0.8, 0.95, 1.0):
+        pins = bit_faults(module, "w", rate=rate, bits="exponent", one_fraction=one_fraction, seed=3)
+        (p,) = pins
+        element = flat_index(p, (3000,))
+        current = {}
+        for reads_one, mask in enumerate(stuck_pairs(p)):
+            row, bit = bits_of(mask, 32).nonzero().unbind(1)
+            current.update({(int(e), int(b)): reads_one for e, b in zip(element[row], bit)})
+        assert all(current.get(pair) == reads for pair, reads in previous.items())
+        assert not bool((stuck_pairs(p)[1] == 0x7F800000).any())
+        previous = current
+    assert pins.redrawn > 0  # the rule was exercised
+
+
+@pytest.mark.parametrize("numel", [1_000, 200_000])
+def test_bit_faults_draw_in_time_of_their_faults(numel):
+    """Drawing grows with the number of stuck bits, not of (element, bit) pairs: the generator draws about
+    as many random numbers as there are faults (counted on torch.randint, which every draw goes through)."""
+    module = nn.Module()
+    module.w = nn.Parameter(torch.zeros(numel))
+    drawn = []
+    real = torch.randint
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        drawn.append(out.numel())
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "randint", counting)
+        (p,) = bit_faults(module, "w", rate=1e-4, seed=1)
+    stuck = int(bits_of(stuck_pairs(p)[0] | stuck_pairs(p)[1], 32).sum())
+    assert 0 < sum(drawn) <= 1.1 * stuck + 200
 
 
 @settings(max_examples=25, deadline=None)
@@ -461,3 +509,27 @@ def test_bit_and_cell_faults_hold_under_pin_callback():
     stuck, _ = held_bits(bits, lit.net.conv.weight)
     assert torch.equal(stuck, bits.stuck_at_one)
     assert torch.equal(lit.net.fc.weight.detach()[tuple(cells.indices.T)], cells.value)
+
+
+@pytest.mark.parametrize("generator", ["cell", "flip"])
+def test_cell_faults_and_flip_bits_draw_in_time_of_their_faults(generator):
+    """As bit_faults: about as many random numbers as faults, however large the parameter."""
+    from lightning_pin.faults import flip_bits
+
+    module = nn.Module()
+    module.w = nn.Parameter(torch.ones(1_000_000))
+    drawn = []
+    real = torch.randint
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        drawn.append(out.numel())
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "randint", counting)
+        if generator == "cell":
+            faults = cell_faults(module, "w", rate=1e-4, seed=1).faulty["w"]
+        else:
+            faults = flip_bits(module, "w", rate=1e-5, seed=1).flipped["w"]
+    assert faults > 50 and 0 < sum(drawn) <= 1.1 * faults + 200

@@ -693,7 +693,7 @@ def test_summary(net):
     assert list(rows) == ["big", "fc.weight", "fc.bias", "conv.weight"]  # module order, only pinned ones
     assert rows["fc.weight"].split()[:4] == ["fc.weight", "3x4", "12", "12"]
     assert "whole, current values" in rows["fc.weight"]
-    assert "indices, explicit values, steps 0..9" in rows["fc.weight"]
+    assert "indices, explicit values, steps 0..8" in rows["fc.weight"]  # stop_step=9: the last step held is 8
     assert rows["fc.bias"].split()[:4] == ["fc.bias", "3", "3", "3"]
     assert rows["conv.weight"].split()[:4] == ["conv.weight", "2x2x3x3", "36", "2"]
     assert "indices, explicit values, steps 2..end" in rows["conv.weight"]
@@ -715,7 +715,9 @@ def test_summary_single_pin_wording(net):
     assert list(rows) == ["fc.bias"]
     assert rows["fc.bias"].split()[:4] == ["fc.bias", "3", "3", "1"]
     assert "indices, current values" in rows["fc.bias"]
-    assert "(1 pin on 1 parameters)" in lines[-1]
+    assert "(1 pin on 1 parameter)" in lines[-1]
+    one_step = resolve([Pin("fc.bias", indices=[1], start_step=4, stop_step=5)], net).summary()
+    assert "indices, current values, step 4" in one_step
 
 
 def test_empty_plan(net):

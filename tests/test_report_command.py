@@ -115,3 +115,43 @@ def test_write_report_leaves_neither_file_when_the_plot_fails(tmp_path, monkeypa
     with pytest.raises(OSError, match="disk full"):
         reporting.write_report(sample_report(), tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def _events_run(directory, steps=10):
+    """A TensorBoard run directory holding the pin/... scalars of ``steps`` logged steps."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(directory))
+    writer.add_scalar("pin/accuracy_baseline", 0.9, 0)
+    writer.add_scalar("pin/accuracy_forced", 0.3, 0)
+    for step in range(steps):
+        writer.add_scalar("pin/accuracy", 0.3 + 0.05 * step, step)
+        writer.add_scalar("pin/violations", 0, step)
+    writer.close()
+    (events,) = directory.glob("events.out.tfevents.*")
+    return events
+
+
+def test_report_on_a_truncated_event_file_names_it_and_the_last_step_read(tmp_path, capsys):
+    run = tmp_path / "run"
+    events = _events_run(run)
+    assert main(["report", str(run), "--no-plot", "--out", str(tmp_path / "whole")]) == 0
+    assert json.loads((tmp_path / "whole" / "pin_report.json").read_text())["steps"] == 9
+    # Cut the file in the middle of its last record (the last step's pin/violations).
+    data = events.read_bytes()
+    events.write_bytes(data[:-7])
+    capsys.readouterr()
+    assert main(["report", str(run), "--no-plot"]) == 2
+    line = _one_error_line(capsys, "report")
+    assert str(events) in line and "is truncated" in line and "after step 9" in line and "--allow-truncated" in line
+    assert not (run / "pin_report.json").exists()
+    # Asked for, the report is built from what was read, and says so.
+    assert main(["report", str(run), "--no-plot", "--allow-truncated"]) == 0
+    out = capsys.readouterr().out
+    assert "truncated" in out and events.name in out
+    report = json.loads((run / "pin_report.json").read_text())
+    assert report["truncated"] == [{"file": str(events), "last_step": 9}]
+    # A cut inside the first record's header is also a truncation (nothing read after step -).
+    events.write_bytes(data[:5])
+    assert main(["report", str(run), "--no-plot", "--out", str(tmp_path / "cut")]) == 2
+    assert "is truncated" in _one_error_line(capsys, "report")

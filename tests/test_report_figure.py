@@ -66,3 +66,43 @@ def test_the_app_summary_says_within_only_when_it_stayed_within(capsys):
     print_summary(summary)
     out = capsys.readouterr().out
     assert "then left it: ended outside" in out and "within 0.01 from step" not in out
+
+
+def _texts(fig) -> str:
+    return " ".join(t.get_text() for t in fig.texts) + " ".join(ax.get_title() for ax in fig.axes)
+
+
+def test_a_pin_drift_that_is_the_same_at_every_step_is_folded_into_a_caption_that_says_what_it_is():
+    # AdamW: the pinned values are the same every step, so its decoupled weight decay moves them by the same amount.
+    flat = diverging(pin_drift=[[5, 5.96e-05, 3.08e-05, 0], [10, 5.96e-05, 3.08e-05, 0], [15, 5.96e-05, 3.08e-05, 0]])
+    fig = build_figure(flat)
+    assert len(fig.axes) == 2 and not any(ax.get_title().startswith("pin drift") for ax in fig.axes)
+    caption = _texts(fig)
+    assert "the same at each of the 3 logged steps" in caption and "weight decay" in caption
+    assert "5.960e-05" in caption and "3.080e-05" in caption
+    rows = dict(report_rows(flat))
+    assert "the same at every logged step" in rows["pin drift max / mean"]
+    # A drift that changes keeps its panel.
+    assert len(build_figure(diverging(pin_drift=[[5, 1e-5, 5e-6, 0], [10, 6e-5, 3e-5, 0]])).axes) == 3
+
+
+def test_a_run_shorter_than_the_logging_interval_says_why_the_drift_is_missing_and_draws_no_fake_line():
+    short = make_report(
+        metric="accuracy", tolerance=0.01, baseline=0.1, forced=0.1, accuracy=[[0, 0.1], [4, 0.36]],
+        pin_drift=[], weight_drift=[[0, 0.0, 0.0], [4, 0.69, 0.157]], pinned_elements=237,
+    )  # fmt: skip
+    assert short["steps"] == 4
+    fig = build_figure(short)
+    caption = _texts(fig)
+    assert "pin drift was not logged" in caption and "4 optimizer steps" in caption and "log_every_n_steps" in caption
+    metric = fig.axes[0]
+    assert "measured at steps 0 and 4 only" in metric.get_title()
+    assert metric.lines[0].get_linestyle() == ":"  # two measurements: no line drawn as if measured in between
+    assert all(float(t).is_integer() for t in metric.get_xticks())  # steps are whole numbers
+    rows = dict(report_rows(short))
+    assert rows["pin drift max / mean"].startswith("not logged") and "log_every_n_steps" in rows["pin drift max / mean"]
+    # A long run whose monitor had the pin drift off: the weight drift was logged in between, so it is not the interval.
+    off = make_report(metric="accuracy", baseline=0.9, forced=0.5, accuracy=[[0, 0.5], [40, 0.9]], pin_drift=[],
+                      weight_drift=[[0, 0.0, 0.0], [20, 0.5, 0.1], [40, 0.7, 0.15]], pinned_elements=7)
+    assert "PinMonitor(drift=False)" in _texts(build_figure(off)) and "log_every_n_steps" not in _texts(build_figure(off))
+    assert dict(report_rows(off))["pin drift max / mean"] == "not measured (PinMonitor(drift=False))"

@@ -85,6 +85,8 @@ def test_one_epoch_default_run_writes_a_report_with_exact_pins(tmp_path, train):
     exported = tmp_path / "deploy" / "model.safetensors"
     assert cli.main(["export", str(tmp_path), "--to", str(exported)]) == 0
     assert cli.main(["check", str(tmp_path / "pinned.ckpt"), str(exported)]) == 0
+    # An earlier export at the same place is replaced without --force (it is a model export).
+    assert cli.main(["export", str(tmp_path), "--to", str(exported)]) == 0
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(exported)["backbone.features.0.weight"], pinned["backbone.features.0.weight"])
@@ -106,6 +108,47 @@ def test_export_refuses_what_is_not_a_run_or_a_format(tmp_path, capsys):
     assert "\n" not in line and not (tmp_path / "model.safetensors").exists()
     assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / "model.pkl")]) == 2
     assert "one of .safetensors, .onnx" in capsys.readouterr().err
+
+
+def test_export_checks_its_destination_before_rebuilding_the_model(tmp_path, capsys):
+    # A directory: one line, status 2, before the run is read (tmp_path is not a run, and that is not what it says).
+    (tmp_path / "deploy").mkdir()
+    assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / "deploy")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and "is a directory" in line and "--to" in line and "finished" not in line
+    # An existing file that is not a model export is never replaced without --force.
+    notes = tmp_path / "notes.safetensors"
+    notes.write_text("my notes")
+    for name in ("notes.safetensors", "notes.onnx"):
+        (tmp_path / name).write_text("my notes")
+        assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / name)]) == 2
+        line = capsys.readouterr().err.strip()
+        assert "\n" not in line and "is not a model export" in line and "--force" in line
+        assert (tmp_path / name).read_text() == "my notes"
+    # With --force it goes on (here to the run directory's own check).
+    assert cli.main(["export", str(tmp_path), "--to", str(notes), "--force"]) == 2
+    assert "is not the directory of a finished" in capsys.readouterr().err
+    # A file in the way of the destination's directory.
+    assert cli.main(["export", str(tmp_path), "--to", str(notes / "model.safetensors")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+
+
+def test_the_readmes_fault_map_pins_the_apps_cnn(tmp_path, train, fork_runner):
+    # The README's block writes chip.safetensors; the sentence after it runs the app with that map.
+    from test_readme import python_blocks
+
+    text = (ROOT / "README.md").read_text()
+    (block,) = [code for _, code in python_blocks(text) if 'save_fault_map(pins, "chip.safetensors")' in code]
+    assert "pin=fault_map pin.fault_map=chip.safetensors" in text
+    (tmp_path / "block.py").write_text(block)
+    written = run([sys.executable, "block.py"], cwd=tmp_path, runner=fork_runner)
+    assert written.returncode == 0, written.output
+    result = train(*TINY, "pin=fault_map", "pin.fault_map=chip.safetensors", f"hydra.run.dir={tmp_path / 'run'}",
+                   cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    assert "pins      exact: verified" in result.output
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    assert summary["pinned_elements"] == 3 and summary["pins_exact"] is True
 
 
 def test_cell_faults_are_drawn_on_the_pretrained_model_and_hold(tmp_path, train):
@@ -205,6 +248,18 @@ def test_optuna_search_runs_two_trials(tmp_path, train):
     with open(tmp_path / "sweep_summary.csv", newline="") as file:
         rows = list(csv.DictReader(file))
     assert len(rows) == 2 and best["best_value"] == max(float(row["final"]) for row in rows)
+
+
+def test_optuna_search_without_its_plugin_is_one_line_pointing_to_lightning_pin_tune(tmp_path, train):
+    # `make` installs the tune extra (optuna >= 3); Hydra's Optuna sweeper pins optuna < 3, so it is not there.
+    if importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None:
+        pytest.skip("Hydra's Optuna sweeper plugin is installed: hparams_search=optuna runs (test above)")
+    for args in (["hparams_search=optuna"], ["hparams_search=optuna", "hydra.sweeper.n_trials=2", *TINY]):
+        result = train(*args, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.output
+        assert "lightning-pin tune" in lines[0] and "optuna-sweeper" in lines[0]
+        assert "Could not find" not in result.output and not (tmp_path / "sweep").exists()
 
 
 def test_ddp_sim_run_verifies_pins_from_spawned_workers(tmp_path, train):

@@ -61,7 +61,49 @@ def example_input(run_dir: Union[str, Path]) -> torch.Tensor:
     return torch.zeros(1, channels, size, size)
 
 
-def export_run(run_dir: Union[str, Path], to: Union[str, Path]) -> Path:
+def check_destination(to: Path, force: bool = False) -> None:
+    """Refuse a destination ``--to`` cannot write, before the model is rebuilt.
+
+    An existing file is replaced only when it is a model export of its suffix (a readable
+    ``.safetensors`` file or ONNX model), or with ``force``: a file of the user's that merely
+    carries the suffix is never lost to a typo.
+
+    Raises:
+        PinError: ``to`` is a directory, a file stands where one of its directories should be, or
+            ``to`` exists and is not a model export (without ``force``).
+    """
+    if to.is_dir():
+        raise PinError(f"--to {to} is a directory: name the file to write, e.g. --to {to / ('model' + FORMATS[0])}")
+    for parent in to.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise PinError(f"--to {to}: {parent} is a file, not a directory: choose another place for the export")
+            break
+    if to.exists() and not force and not _is_model_export(to):
+        raise PinError(f"--to {to} exists and is not a model export ({to.suffix} file): choose another file, or "
+                       "pass --force to replace it")
+
+
+def _is_model_export(path: Path) -> bool:
+    """Does ``path`` hold a model of its suffix's format (so that replacing it loses nothing of the user's)?"""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt"):
+                return True
+        import onnx
+
+        # An empty or foreign file can parse as an empty ModelProto: a model export has a graph.
+        model = onnx.load(str(path), load_external_data=False)
+        return model.ir_version > 0 and len(model.graph.node) > 0
+    except ImportError:
+        return False
+    except Exception:  # noqa: BLE001  (any reader error means: not a file of that format)
+        return False
+
+
+def export_run(run_dir: Union[str, Path], to: Union[str, Path], force: bool = False) -> Path:
     """Write the run's pinned model to ``to`` (``.safetensors``: its state dict; ``.onnx``: the graph).
 
     The ONNX export uses torch's dynamo exporter with ``optimize=False``: its graph optimizer may
@@ -69,10 +111,12 @@ def export_run(run_dir: Union[str, Path], to: Union[str, Path]) -> Path:
     (``lightning-pin check`` says which).
 
     Raises:
-        PinError: ``to`` has another suffix, or ``run_dir`` is not a finished run (see
-            :func:`load_run_model`); ImportError: ``.onnx`` without onnx / onnxscript installed.
+        PinError: ``to`` has another suffix, is a directory or a file that is not a model export
+            (without ``force``, see :func:`check_destination`), or ``run_dir`` is not a finished run
+            (see :func:`load_run_model`); ImportError: ``.onnx`` without onnx / onnxscript installed.
     """
     to = Path(to)
+    check_destination(to, force)
     if to.suffix not in FORMATS:
         raise PinError(f"--to {to}: the export format is chosen by the suffix, one of {', '.join(FORMATS)}")
     model = load_run_model(run_dir)

@@ -39,6 +39,11 @@ def fault_generator(kind: str) -> Any:
     Raises:
         PinError: ``kind`` is unknown, or this install has no generator for it yet.
     """
+    if kind == "flip":
+        raise PinError(
+            "fault kind 'flip' is a transient fault, measured at test time and never retrained around: run "
+            "lightning-pin faults --kind flip (or lightning_pin.faults.flip_bits), or use pin.kind=bit for stuck bits"
+        )
     if kind not in KINDS:
         raise PinError(f"unknown fault kind {kind!r}: use one of {', '.join(KINDS)}")
     name = f"{kind}_faults"

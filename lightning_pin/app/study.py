@@ -1,33 +1,43 @@
 """``lightning-pin faults``: the accuracy-against-fault-rate curve, retrained and not, in one command.
 
-1. One baseline: the app pretrains once (``pretrain.only=true``, into ``DIR/baseline``), or the
+1. The job config is composed once, the same way ``lightning-pin train`` composes it (a mistyped
+   override fails here, in one line, before any training).
+2. One baseline: the app pretrains once (``pretrain.only=true``, into ``DIR/baseline``), or the
    user's ``ckpt_path=`` is used as it is.
-2. One app job per (rate, seed), as a Hydra multirun over ``pin=faults``: every job loads the
-   baseline, draws its faults from (kind, rate, seed) alone (common random numbers), measures the
-   forced accuracy (faults in, no retraining) and the final one (retrained around them, pins
-   verified bit for bit). ``--jobs J`` runs them on Hydra's joblib launcher; any launcher override
-   (``hydra/launcher=submitit_slurm``) passes through. Jobs write into ``DIR/jobs/<kind>_rate<r>_seed<s>``
-   and a finished job is not run again (``skip_finished=true``): re-running an interrupted study with
-   the same ``--out`` finishes it.
-3. ``fault_curve.csv`` / ``.png`` and a table; with ``--per-layer``, the same at one rate with the
+3. One app job per (rate, seed): it loads the baseline, draws its faults from (kind, rate, seed)
+   alone (common random numbers), measures the forced accuracy (faults in, no retraining) and the
+   final one (retrained around them, pins verified bit for bit). Jobs run in this process
+   (``--jobs 1``) or in ``--jobs J`` workers forked from it after the imports: no interpreter
+   start-up, no import of torch per job. ``--launcher joblib|submitit_local|submitit_slurm`` runs
+   them through a Hydra multirun instead (a cluster). Jobs write into
+   ``DIR/jobs/<kind>_rate<r>_seed<s>``, whichever runner, and a finished job is not run again.
+4. ``--no-retrain`` (and ``--kind flip``, a transient fault): forced accuracy only, every draw in
+   this process on one model, the faulty words written before and restored exactly after each
+   evaluation (:class:`lightning_pin.faults.WordPatch`).
+5. ``fault_curve.csv`` / ``.png`` and a table; with ``--per-layer``, the same at one rate with the
    faults in one parameter at a time (``layer_sensitivity.csv`` / ``.png``).
 
-The jobs run in a child process (``python -m lightning_pin.train -m ...``) whose output goes to
-``DIR/study.log``; this process shows a progress bar over the jobs by watching their summaries.
+Every stage says what it does; nothing is silent for more than :data:`HEARTBEAT` seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TextIO
 
 from lightning_pin.app.fault_pins import KINDS, check_kind
 from lightning_pin.app.sweep import RUN_SUMMARY
@@ -38,8 +48,15 @@ BASELINE_DIR = "baseline"
 JOBS_DIR = "jobs"
 LAYERS_DIR = "layers"
 LOG = "study.log"
+JOB_LOG = "job.log"
 STUDY_JSON = "study.json"
 PRETRAINED = "pretrained.ckpt"
+#: Kinds of the study: the app's fault kinds, and transient flips (test time only).
+STUDY_KINDS = (*KINDS, "flip")
+#: Hydra launchers ``--launcher`` runs the jobs on (the default runs them in this process or forked workers).
+LAUNCHERS = ("joblib", "submitit_local", "submitit_slurm")
+#: Seconds without a line before the study says what it is still doing.
+HEARTBEAT = 2.0
 
 
 class StudyError(ValueError):
@@ -56,15 +73,34 @@ class Study:
     jobs: int = 1
     out: Optional[str] = None
     overrides: tuple[str, ...] = ()
+    #: Forced accuracy only (a test-time campaign); implied by ``kind="flip"``.
+    no_retrain: bool = False
+    #: A Hydra launcher for the jobs (``joblib``, ``submitit_local``, ``submitit_slurm``); None: this process.
+    launcher: Optional[str] = None
+    #: A directory of the user's own config groups (``--config-dir``), searched before the app's.
+    config_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        # ``hydra/launcher=NAME`` among the overrides asks for a launcher, as --launcher does.
+        named = [o.split("=", 1)[1] for o in self.overrides if o.split("=", 1)[0].lstrip("+~") == "hydra/launcher"]
+        if named and self.launcher is None:
+            self.launcher = named[-1]
+        if self.kind == "flip":
+            self.no_retrain = True
+
+    @property
+    def retrain(self) -> bool:
+        return not self.no_retrain
 
     def check(self) -> None:
         """Raise StudyError naming the first bad argument."""
-        if self.kind not in KINDS:
-            raise StudyError(f"unknown --kind {self.kind!r}: use one of {', '.join(KINDS)}")
-        try:
-            check_kind(self.kind)
-        except PinError as err:
-            raise StudyError(str(err)) from None
+        if self.kind not in STUDY_KINDS:
+            raise StudyError(f"unknown --kind {self.kind!r}: use one of {', '.join(STUDY_KINDS)}")
+        if self.kind != "flip":
+            try:
+                check_kind(self.kind)
+            except PinError as err:
+                raise StudyError(str(err)) from None
         if not self.rates:
             raise StudyError("--rates needs at least one rate, e.g. --rates 0,0.05,0.1,0.2")
         bad = [r for r in self.rates if not 0.0 <= r <= 1.0]
@@ -78,11 +114,19 @@ class Study:
             raise StudyError(f"--layer-rate must be in (0, 1], got {self.layer_rate:g}")
         if self.per_layer and self.layer_rate is None and not any(r > 0 for r in self.rates):
             raise StudyError("--per-layer needs a rate above 0 (in --rates, or --layer-rate)")
+        if self.launcher is not None and self.launcher not in LAUNCHERS:
+            raise StudyError(f"unknown --launcher {self.launcher!r}: use one of {', '.join(LAUNCHERS)} "
+                             "(or none: jobs in this process, --jobs J forked workers)")
+        if self.launcher is not None and self.no_retrain:
+            what = "--kind flip" if self.kind == "flip" else "--no-retrain"
+            raise StudyError(f"{what} measures every draw in this process: drop --launcher {self.launcher}")
         taken = [o for o in self.overrides if o.split("=", 1)[0].lstrip("+~") in _STUDY_KEYS]
         if taken:
             raise StudyError(f"{taken[0]!r} is set by the study itself: use --kind, --rates, --seeds or --out")
         if any(o.startswith("-") for o in self.overrides):
             raise StudyError(f"unknown option {next(o for o in self.overrides if o.startswith('-'))!r}")
+        if self.config_dir is not None and not Path(self.config_dir).is_dir():
+            raise StudyError(f"--config-dir {self.config_dir!r} is not a directory")
 
 
 #: Keys the study sets on every job; an override of one of them would break the grid.
@@ -105,80 +149,293 @@ def parse_rates(text: str) -> tuple[float, ...]:
     return tuple(sorted(set(rates)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One (rate, seed) of the curve, or one (parameter, seed) of the per-layer study."""
+
+    kind: str
+    rate: float
+    seed: int
+    param: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        # As Hydra names a multirun job's directory (str() of the float rate): every runner shares them.
+        if self.param is not None:
+            return f"{self.param}_seed{self.seed}"
+        return f"{self.kind}_rate{float(self.rate)}_seed{self.seed}"
+
+    def label(self) -> str:
+        where = f" in {self.param}" if self.param is not None else ""
+        return f"{self.kind} rate {self.rate:g} seed {self.seed}{where}"
+
+
 def run_study(study: Study) -> int:
     """Run (or finish) the study; write the files and print the table. Returns the exit status."""
     study.check()
-    out = Path(study.out or Path("faults") / datetime.now().strftime("%Y-%m-%d") / datetime.now().strftime("%H-%M-%S"))
+    out = Path(study.out or Path("outputs") / "faults" / datetime.now().strftime("%Y-%m-%d")
+               / datetime.now().strftime("%H-%M-%S"))
+    if out.exists() and not out.is_dir():
+        raise StudyError(f"--out {out} is a file: give a directory (new, or a study's to finish it)")
+    progress = Progress()
+    try:
+        return _run(study, out, progress)
+    finally:
+        progress.close()
+
+
+def _run(study: Study, out: Path, progress: "Progress") -> int:
+    started = time.perf_counter()
+    mode = "forced only (no retraining)" if study.no_retrain else "forced and retrained"
+    progress.line(f"lightning-pin faults: kind={study.kind} rates={','.join(f'{r:g}' for r in study.rates)} "
+                  f"seeds={study.seeds}, {mode}, into {out}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the user's own model and data modules, as `lightning-pin train` finds them
+    with progress.stage("loading torch, Lightning and the app"):
+        from lightning_pin.app import train  # noqa: F401  (the imports every job shares)
+    with progress.stage("composing the job config"):
+        template = _compose(study, _compose_overrides(study), out / JOBS_DIR / "template")
     out.mkdir(parents=True, exist_ok=True)
     _claim(out, study)
     log_path = out / LOG
-    print(f"lightning-pin faults: kind={study.kind} rates={','.join(f'{r:g}' for r in study.rates)} "
-          f"seeds={study.seeds} into {out} (log: {log_path})", flush=True)
-    started = time.perf_counter()
-
-    ckpt = _user_ckpt(study.overrides) or _baseline(study, out, log_path)
+    ckpt = _user_ckpt(study.overrides) or _baseline(study, out, log_path, progress)
     if ckpt is None:
         return 1
-    grid = [(rate, seed) for rate in study.rates for seed in range(study.seeds)]
-    sweep = ["pin=faults", f"pin.kind={study.kind}", f"pin.rate={_list(study.rates)}", f"pin.seed={_seeds(study)}"]
-    subdir = "${pin.kind}_rate${pin.rate}_seed${pin.seed}"
-    # Hydra names the directories from the job's config: str() of the float rate.
-    expected = [f"{study.kind}_rate{float(rate)}_seed{seed}" for rate, seed in grid]
-    if not _multirun(study, out / JOBS_DIR, subdir, sweep, ckpt, expected, "fault curve", log_path):
-        return 1
-    rows = _rows(out / JOBS_DIR, study, {(study.kind, r, s) for r, s in grid}, by_param=False)
-    report.write_csv(rows, out / report.FAULT_CURVE_CSV)
-    written = [out / report.FAULT_CURVE_CSV]
-    if report.plot_curve(rows, out / report.FAULT_CURVE_PNG) is not None:
-        written.append(out / report.FAULT_CURVE_PNG)
-    report.print_curve(rows, f"lightning-pin faults: kind={study.kind}, {len(rows)} job(s)")
-
+    curve_jobs = [Job(study.kind, rate, seed) for rate in study.rates for seed in range(study.seeds)]
+    layer_jobs: list[Job] = []
     if study.per_layer:
         rate = study.layer_rate if study.layer_rate is not None else max(study.rates)
-        names = _param_names(study.overrides, ckpt)
-        sweep = ["pin=faults", f"pin.kind={study.kind}", f"pin.rate={rate!r}", f"pin.seed={_seeds(study)}",
-                 "pin.params=" + ",".join(names)]
-        subdir = "${pin.params}_seed${pin.seed}"
-        expected = [f"{name}_seed{seed}" for name in names for seed in range(study.seeds)]
-        if not _multirun(study, out / LAYERS_DIR, subdir, sweep, ckpt, expected, "per layer", log_path):
+        names = _param_names(template, ckpt)
+        layer_jobs = [Job(study.kind, rate, seed, name) for name in names for seed in range(study.seeds)]
+
+    if study.no_retrain:
+        with progress.stage("building the model and its validation batches"):
+            campaign = ForcedCampaign(template, ckpt, progress)
+        campaign.recipe = " ".join(study.overrides)
+        rows = campaign.run(curve_jobs, "fault curve")
+        layer_rows = campaign.run(layer_jobs, "per layer") if layer_jobs else []
+        campaign.check_restored()
+        sizes = campaign.sizes
+    else:
+        failed = _run_jobs(study, template, ckpt, out / JOBS_DIR, curve_jobs, "fault curve", log_path, progress)
+        if layer_jobs and not failed:
+            failed = _run_jobs(study, template, ckpt, out / LAYERS_DIR, layer_jobs, "per layer", log_path, progress)
+        if failed:
             return 1
-        wanted = {(study.kind, rate, s, n) for s in range(study.seeds) for n in names}
-        layer_rows = _rows(out / LAYERS_DIR, study, wanted, by_param=True)
+        with progress.stage("counting the stored bits the faults change"):
+            counter = ForcedCampaign(template, ckpt, progress, evaluate=False)
+            rows = _rows(out / JOBS_DIR, study, curve_jobs, counter)
+            layer_rows = _rows(out / LAYERS_DIR, study, layer_jobs, counter) if layer_jobs else []
+            sizes = counter.sizes
+    for row in layer_rows:
+        row["elements"] = sizes.get(row["param"])
+
+    report.write_csv(rows, out / report.FAULT_CURVE_CSV)
+    written = [out / report.FAULT_CURVE_CSV]
+    with progress.stage(f"plotting {report.FAULT_CURVE_PNG}"):
+        if report.plot_curve(rows, out / report.FAULT_CURVE_PNG) is not None:
+            written.append(out / report.FAULT_CURVE_PNG)
+    progress.flush()
+    report.print_curve(rows, f"lightning-pin faults: kind={study.kind}, {len(rows)} " + (
+        "draw(s), forced only" if study.no_retrain else "job(s)"))
+    if layer_jobs:
         report.write_csv(layer_rows, out / report.LAYER_CSV, report.LAYER_COLUMNS)
         written.append(out / report.LAYER_CSV)
-        if report.plot_layers(layer_rows, out / report.LAYER_PNG) is not None:
-            written.append(out / report.LAYER_PNG)
-        report.print_curve(layer_rows, f"faults in one parameter at a time, rate {rate:g}", by="param")
-    print(f"wrote {', '.join(str(p) for p in written)} in {time.perf_counter() - started:.0f} s", flush=True)
+        with progress.stage(f"plotting {report.LAYER_PNG}"):
+            if report.plot_layers(layer_rows, out / report.LAYER_PNG) is not None:
+                written.append(out / report.LAYER_PNG)
+        progress.flush()
+        report.print_curve(layer_rows, f"faults in one parameter at a time, rate {layer_jobs[0].rate:g}", by="param")
+    progress.line(f"wrote {', '.join(str(p) for p in written)} in {time.perf_counter() - started:.0f} s")
     return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress
+
+
+class Progress:
+    """Lines on the terminal: each stage, each job with an ETA, and a heartbeat when nothing else was said.
+
+    Writes to a duplicate of stdout's file descriptor, so the lines still reach the terminal while a
+    job's own output is redirected into its log.
+    """
+
+    def __init__(self, stream: Optional[TextIO] = None) -> None:
+        self.stream = stream if stream is not None else _terminal(sys.stdout)
+        self._own = stream is None and self.stream is not sys.stdout
+        self.last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def line(self, text: str) -> None:
+        with self._lock:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+            self.last = time.monotonic()
+
+    def beat(self, text: Callable[[], str]) -> None:
+        """Say ``text()`` when nothing was said for :data:`HEARTBEAT` seconds."""
+        if time.monotonic() - self.last >= HEARTBEAT:
+            self.line(text())
+
+    def close(self) -> None:
+        if self._own:
+            self.stream.close()
+
+    def flush(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stream.flush()
+        sys.stdout.flush()
+
+    @contextlib.contextmanager
+    def stage(self, what: str) -> Iterator[None]:
+        """``what ...``, heartbeats while it runs (from a thread), then ``what: N s``."""
+        start = time.monotonic()
+        self.line(f"{what} ...")
+        with self.heartbeat(lambda: f"  {what}: {time.monotonic() - start:.0f} s ..."):
+            yield
+        if time.monotonic() - start >= 0.5:
+            self.line(f"  {what}: done in {time.monotonic() - start:.1f} s")
+
+    @contextlib.contextmanager
+    def heartbeat(self, text: Callable[[], str]) -> Iterator[None]:
+        """A thread that calls :meth:`beat` while the block runs (never while forking: see :func:`_run_forked`)."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(0.25):
+                self.beat(text)
+
+        thread = threading.Thread(target=beat, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+
+def _terminal(stream: TextIO) -> TextIO:
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return stream  # not a file (a test's capture): write to it as it is
+    stream.flush()
+    return os.fdopen(os.dup(fd), "w", buffering=1)
+
+
+class _Eta:
+    """Jobs done, time per job, time left (with ``workers`` jobs at a time)."""
+
+    def __init__(self, what: str, total: int, skipped: int, workers: int) -> None:
+        self.what, self.total, self.done, self.workers = what, total, skipped, workers
+        self.started = time.monotonic()
+        self.ran = 0
+
+    def finished(self, text: str) -> str:
+        self.done += 1
+        self.ran += 1
+        elapsed = time.monotonic() - self.started
+        left = (self.total - self.done) * elapsed / self.ran
+        return f"[{self.done}/{self.total}] {text}; {elapsed:.0f} s elapsed, ETA {_seconds(left)}"
+
+    def status(self, running: str) -> str:
+        return f"  ... {running}; {self.done}/{self.total} done, {time.monotonic() - self.started:.0f} s elapsed"
+
+
+def _seconds(value: float) -> str:
+    value = max(0.0, value)
+    return f"{value:.0f} s" if value < 120 else f"{value / 60:.1f} min"
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+
+def _compose_overrides(study: Study) -> list[str]:
+    """The job's overrides for composing here: the user's (without the launcher's), the fault group, no rate yet."""
+    kind = "bit" if study.kind == "flip" else study.kind  # flip draws as bit_faults does; the app never retrains it
+    keep = [o for o in study.overrides if not o.lstrip("+~").startswith("hydra")]
+    return [*keep, "pin=faults", f"pin.kind={kind}", "pin.rate=0.0", "pin.seed=0", "skip_finished=true"]
+
+
+def _compose(study: Study, overrides: Sequence[str], output_dir: Path) -> Any:
+    """The app's config (:func:`lightning_pin.app.compose.compose_app`), or StudyError in one line."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from lightning_pin.app.compose import compose_app
+    from lightning_pin.app.train import check_lengths
+
+    extra = []
+    if study.config_dir is not None:
+        extra = [f"hydra.searchpath=[file://{Path(study.config_dir).resolve()}]"]
+    try:
+        cfg = compose_app([*overrides, *extra], output_dir.resolve())
+        check_lengths(cfg)
+    except (HydraException, OmegaConfBaseException, ValueError) as err:
+        message = " ".join(str(err).split()) or type(err).__name__
+        raise StudyError(f"the job config does not compose: {message}") from None
+    return cfg
+
+
+def _job_config(template: Any, job: Job, ckpt: str, output_dir: Path) -> Any:
+    """The template with this job's fault, baseline and directory (what composing each job's overrides gives)."""
+    from omegaconf import open_dict
+
+    cfg = copy.deepcopy(template)
+    with open_dict(cfg):
+        cfg.pin.kind = "bit" if job.kind == "flip" else job.kind
+        cfg.pin.rate = float(job.rate)
+        cfg.pin.seed = int(job.seed)
+        if job.param is not None:
+            cfg.pin.params = job.param
+        cfg.ckpt_path = ckpt
+        cfg.skip_finished = True
+        cfg.paths.output_dir = str(output_dir.resolve())
+    return cfg
 
 
 def _claim(out: Path, study: Study) -> None:
     """Record the recipe in DIR/study.json; refuse a DIR that holds another recipe's jobs.
 
     Job directories are named by (kind, rate, seed) only, so finished jobs of one recipe would be
-    taken for the other's. Other rates or seeds with the same recipe extend the study.
+    taken for the other's, and the CSV would mix them. Other rates or seeds with the same recipe
+    extend the study.
     """
     path = out / STUDY_JSON
-    recipe = {"overrides": list(study.overrides)}
+    recipe = {"overrides": list(study.overrides), "kind": study.kind, "retrain": study.retrain}
+    if study.config_dir is not None:
+        recipe["config_dir"] = str(Path(study.config_dir).resolve())
     if path.is_file():
-        held = json.loads(path.read_text())
+        try:
+            held = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise StudyError(f"{path} is unreadable ({err}): give this study its own --out") from None
+        fix = ("give this recipe its own --out (and ckpt_path=<the first study>/baseline/pretrained.ckpt to share "
+               "its baseline)")
         if held.get("overrides") != recipe["overrides"]:
-            raise StudyError(
-                f"{out} holds a study with the overrides {held.get('overrides')}, not {recipe['overrides']}: "
-                "give this recipe its own --out (and ckpt_path=<the first study>/baseline/pretrained.ckpt to share "
-                "its baseline)"
-            )
+            raise StudyError(f"{out} holds a study with the overrides {held.get('overrides')}, not "
+                             f"{recipe['overrides']}: {fix}")
+        kind = held.get("kind") or _held_kind(out)
+        if kind is not None and kind != study.kind:
+            raise StudyError(f"{out} holds a study of --kind {kind}, not --kind {study.kind}: {fix}")
+        if held.get("retrain", True) != study.retrain:
+            was = "retrained" if held.get("retrain", True) else "--no-retrain"
+            raise StudyError(f"{out} holds a {was} study: {fix}")
+        if held.get("config_dir") != recipe.get("config_dir"):
+            raise StudyError(f"{out} holds a study with --config-dir {held.get('config_dir')}: {fix}")
+        if "kind" not in held:
+            path.write_text(json.dumps(recipe, indent=2) + "\n")
         return
     path.write_text(json.dumps(recipe, indent=2) + "\n")
 
 
-def _list(rates: Sequence[float]) -> str:
-    return ",".join(repr(float(r)) for r in rates)
-
-
-def _seeds(study: Study) -> str:
-    return ",".join(str(s) for s in range(study.seeds))
+def _held_kind(out: Path) -> Optional[str]:
+    """The kind of an older study's jobs (its study.json did not record it), from their directory names."""
+    for directory in sorted((out / JOBS_DIR).glob("*_rate*_seed*")):
+        return directory.name.split("_rate", 1)[0]
+    return None
 
 
 def _user_ckpt(overrides: Sequence[str]) -> Optional[str]:
@@ -189,101 +446,327 @@ def _user_ckpt(overrides: Sequence[str]) -> Optional[str]:
     return None
 
 
-def _app(args: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "lightning_pin.train", *args]
+# ----------------------------------------------------------------------------------------------
+# Baseline and jobs
 
 
-def _baseline(study: Study, out: Path, log_path: Path) -> Optional[str]:
+def _baseline(study: Study, out: Path, log_path: Path, progress: Progress) -> Optional[str]:
     """Pretrain the one baseline every job starts from (reused when the directory holds it).
 
-    In this process (the jobs' multirun is a child process): one import of torch and Lightning
-    fewer, and a bad override fails here, before any job starts.
+    In this process; with forked workers to come (``--jobs`` > 1), in a forked child instead, so
+    that this process never runs torch's thread pool before it forks (a fork copies no threads).
     """
-    import contextlib
-    import traceback
-
     directory = (out / BASELINE_DIR).resolve()
     ckpt = directory / PRETRAINED
     if ckpt.is_file():
-        print(f"baseline: {ckpt} (reused)", flush=True)
+        progress.line(f"baseline: {ckpt} (reused)")
         return str(ckpt)
-    print("baseline: pretraining once ...", flush=True)
-    # Rate 0 pins nothing (an experiment's pin options still apply, and a bad pin.params fails here).
-    overrides = [*study.overrides, "pin=faults", "pin.rate=0.0", "pretrain.only=true"]
-    with open(log_path, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        print(f"baseline (in process): {' '.join(overrides)}", flush=True)
-        try:
-            from lightning_pin.app.compose import compose_app
-            from lightning_pin.app.train import run
-
-            run(compose_app(overrides, directory))
-        except Exception:  # the log gets the traceback; the terminal its end
-            traceback.print_exc()
-    if not ckpt.is_file():
+    overrides = [*_compose_overrides(study), "pretrain.only=true"]
+    cfg = _compose(study, overrides, directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with progress.stage("baseline: pretraining once"):
+        with _single_threaded(_forking(study)):
+            status = _in_process(cfg, log_path)
+    if status != 0 or not ckpt.is_file():
         _show_failure(log_path, "the baseline's pretraining failed")
         return None
     return str(ckpt)
 
 
-def _multirun(study: Study, sweep_dir: Path, subdir: str, sweep: Sequence[str], ckpt: str, expected: Sequence[str],
-              what: str, log_path: Path) -> bool:
-    """Run the jobs through Hydra's multirun, with a progress bar over them; False when it failed."""
-    sweep_dir = sweep_dir.resolve()
-    launcher = ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={study.jobs}"] if study.jobs > 1 else []
-    args = _app(["-m", *study.overrides, *sweep, f"ckpt_path={ckpt}", "skip_finished=true",
-                 f"hydra.sweep.dir={sweep_dir}", f"hydra.sweep.subdir={subdir}", *launcher])
-    before = _finished(sweep_dir, expected)
-    with open(log_path, "a") as log:
-        log.write(f"$ {' '.join(args)}\n")
-        log.flush()
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        with _Progress(what, len(expected), skipped=before) as bar:
-            while process.poll() is None:
-                bar.update(_finished(sweep_dir, expected))
-                time.sleep(0.5)
-            bar.update(_finished(sweep_dir, expected))
-    if process.returncode != 0:
-        _show_failure(log_path, f"a {what} job failed")
+def _forking(study: Study) -> bool:
+    """Whether the jobs run in forked workers: ``--jobs`` > 1, no launcher, a system with fork, and a process whose
+    torch thread pool never started (a library caller that ran a multi-threaded study before runs them here)."""
+    return study.jobs > 1 and study.launcher is None and hasattr(os, "fork") and not _threads_started
+
+
+#: Whether this process has run a job (or the baseline) already: the data loaded, every lazy import done.
+_warm = False
+#: Whether this process ran a job on more than one torch thread (its OpenMP pool may be up: do not fork).
+_threads_started = False
+
+
+@contextlib.contextmanager
+def _single_threaded(wanted: bool = True) -> Iterator[None]:
+    """torch on one thread for the block, when this process forks workers later.
+
+    A fork copies no threads: a child of a process whose OpenMP thread pool was started can hang
+    in its first parallel region. On one thread torch never starts that pool, and the work done
+    here (the baseline, or a first job) still leaves this process warm (data loaded, lazy imports
+    done), which the workers then start from.
+    """
+    global _warm, _threads_started
+    import torch
+
+    threads = torch.get_num_threads()
+    if wanted:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        _warm = True
+        _threads_started |= torch.get_num_threads() > 1
+        if wanted:
+            torch.set_num_threads(threads)
+
+
+def _job_state(directory: Path, progress: Progress) -> bool:
+    """Whether the job in ``directory`` finished. A summary that does not read is moved aside (the job runs again)."""
+    path = directory / RUN_SUMMARY
+    if not path.is_file():
+        return False
+    try:
+        summary = json.loads(path.read_text())
+        if not isinstance(summary, dict) or "fault" not in summary:
+            raise ValueError("not a job's summary")
+    except (ValueError, UnicodeDecodeError) as err:
+        aside = path.with_name(RUN_SUMMARY + ".unreadable")
+        path.replace(aside)
+        progress.line(f"{path} is unreadable ({err}): running that job again (the file is kept as {aside.name})")
         return False
     return True
 
 
-def _finished(sweep_dir: Path, expected: Sequence[str]) -> int:
-    """How many of the expected job directories hold a summary."""
-    return sum((sweep_dir / name / RUN_SUMMARY).is_file() for name in expected)
+def _run_jobs(study: Study, template: Any, ckpt: str, sweep_dir: Path, jobs: Sequence[Job], what: str,
+              log_path: Path, progress: Progress) -> bool:
+    """Run the unfinished jobs; True when one failed (its log's end is shown)."""
+    todo = [job for job in jobs if not _job_state(sweep_dir / job.name, progress)]
+    skipped = len(jobs) - len(todo)
+    where = (f"on Hydra's {study.launcher} launcher" if study.launcher else
+             f"in {study.jobs} forked workers" if _forking(study) else "in this process")
+    progress.line(f"{what}: {len(jobs)} job(s) {where}" + (f", {skipped} finished before (skipped)" if skipped else ""))
+    if not todo:
+        return False
+    eta = _Eta(what, len(jobs), skipped, study.jobs)
+    if study.launcher is not None:
+        return _run_launcher(study, ckpt, sweep_dir, jobs, todo, log_path, progress, eta)
+    configs = [(job, _job_config(template, job, ckpt, sweep_dir / job.name)) for job in todo]
+    forking = _forking(study)
+    # Forked workers start from this process: without a baseline trained here, the first job runs
+    # here (on one thread) so that they do not each load the data and import what a job imports.
+    here, forked = (configs[:1], configs[1:]) if forking and not _warm else ((configs, []) if not forking else
+                                                                              ([], configs))
+    failed = False
+    for job, cfg in here:
+        started = time.monotonic()
+        running = f"{job.label()} running"
+        with progress.heartbeat(lambda: eta.status(f"{running} ({time.monotonic() - started:.0f} s)")):
+            with _single_threaded(forking):
+                status = _in_process(cfg, sweep_dir / job.name / JOB_LOG)
+        failed |= _report_job(job, sweep_dir, status, progress, eta)
+    if forked:
+        failed |= _run_forked(forked, study.jobs, sweep_dir, progress, eta, idle=report.preload)
+    return failed
 
 
-def _rows(sweep_dir: Path, study: Study, wanted: set[tuple], by_param: bool) -> list[dict[str, Any]]:
-    """The CSV rows of the requested jobs (a directory may hold jobs of an earlier, larger study)."""
+def _report_job(job: Job, sweep_dir: Path, status: int, progress: Progress, eta: _Eta) -> bool:
+    """One line for a finished job; True when it failed."""
+    summary_path = sweep_dir / job.name / RUN_SUMMARY
+    if status != 0 or not summary_path.is_file():
+        _show_failure(sweep_dir / job.name / JOB_LOG, f"job {job.label()} failed")
+        return True
+    summary = json.loads(summary_path.read_text())
+    final = summary.get("final")
+    numbers = f"forced {_fmt(summary.get('forced'))}, final {_fmt(final)} ({summary.get('seconds', 0):.1f} s)"
+    progress.line(eta.finished(f"{eta.what}: {job.label()}: {numbers}"))
+    return False
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+@contextlib.contextmanager
+def _redirected(log_path: Path) -> Iterator[None]:
+    """stdout and stderr (the file descriptors and Python's streams) appended to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    streams = sys.stdout, sys.stderr
+    log = os.fdopen(os.dup(fd), "a", buffering=1)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = sys.stderr = log
+        yield
+    finally:
+        log.flush()
+        sys.stdout, sys.stderr = streams
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for handle in (*saved, fd):
+            os.close(handle)
+        log.close()
+
+
+@contextlib.contextmanager
+def _app_logging() -> Iterator[None]:
+    """The app's ``log.info`` lines (what Hydra's job logging would show) into the job's log."""
+    import logging
+
+    logger = logging.getLogger("lightning_pin")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _in_process(cfg: Any, log_path: Path) -> int:
+    """Run one app job here, its output into ``log_path``; the exit status (1: it raised, traceback in the log)."""
+    from lightning_pin.app.train import run
+
+    with _redirected(log_path), _app_logging():
+        print(f"job (in process): pin.kind={cfg.pin.kind} pin.rate={cfg.pin.rate} pin.seed={cfg.pin.seed} "
+              f"into {cfg.paths.output_dir}", flush=True)
+        try:
+            run(cfg)
+        except Exception:
+            traceback.print_exc()
+            return 1
+    return 0
+
+
+def _fork_job(cfg: Any, log_path: Path, threads: int) -> int:
+    """Fork a worker that runs one app job (its output into ``log_path``) and exits; its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid != 0:
+        return pid
+    status = 1
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        import torch
+
+        torch.set_num_threads(max(1, threads))  # J workers share the cores
+        status = _in_process(cfg, log_path)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    finally:
+        os._exit(status)  # no interpreter shutdown, no parent's atexit handlers
+
+
+def _run_forked(configs: Sequence[tuple[Job, Any]], workers: int, sweep_dir: Path, progress: Progress,
+                eta: _Eta, idle: Callable[[], Any] = lambda: None) -> bool:
+    """Up to ``workers`` jobs at a time, each in a worker forked from this process (imports done, no threads)."""
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    queue = list(configs)
+    running: dict[int, tuple[Job, float]] = {}
+    failed = False
+    try:
+        while queue or running:
+            while queue and len(running) < workers:
+                job, cfg = queue.pop(0)
+                (sweep_dir / job.name).mkdir(parents=True, exist_ok=True)
+                running[_fork_job(cfg, sweep_dir / job.name / JOB_LOG, threads)] = (job, time.monotonic())
+            for pid in list(running):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    job, _ = running.pop(pid)
+                    failed |= _report_job(job, sweep_dir, os.waitstatus_to_exitcode(status), progress, eta)
+            if running and not queue and idle is not None:
+                idle()  # the last worker is forked: work that needs no fork after it (imports for the plots)
+                idle = None
+            if running:
+                time.sleep(0.05)
+                progress.beat(lambda: eta.status(", ".join(
+                    f"{job.label()} ({time.monotonic() - start:.0f} s)" for job, start in running.values())
+                    + " running"))
+    except BaseException:
+        for pid in running:  # only the workers this study forked
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        for pid in running:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        raise
+    return failed
+
+
+def _run_launcher(study: Study, ckpt: str, sweep_dir: Path, jobs: Sequence[Job], todo: Sequence[Job],
+                  log_path: Path, progress: Progress, eta: _Eta) -> bool:
+    """The jobs as a Hydra multirun (``python -m lightning_pin.train -m``) on ``study.launcher``; True if one failed."""
+    sweep_dir = sweep_dir.resolve()
+    kind = jobs[0].kind
+    if jobs[0].param is not None:
+        sweep = [f"pin.rate={float(jobs[0].rate)!r}", "pin.params=" + ",".join(sorted({j.param for j in todo}))]
+        subdir = "${pin.params}_seed${pin.seed}"
+    else:
+        sweep = ["pin.rate=" + ",".join(repr(float(r)) for r in sorted({j.rate for j in todo}))]
+        subdir = "${pin.kind}_rate${pin.rate}_seed${pin.seed}"
+    seeds = ",".join(str(s) for s in sorted({j.seed for j in todo}))
+    launcher = [] if any(o.split("=", 1)[0].lstrip("+~") == "hydra/launcher" for o in study.overrides) else [
+        f"hydra/launcher={study.launcher}"]
+    if study.launcher == "joblib" and not any(o.startswith("hydra.launcher.n_jobs") for o in study.overrides):
+        launcher.append(f"hydra.launcher.n_jobs={study.jobs}")
+    config_dir = ["--config-dir", str(Path(study.config_dir).resolve())] if study.config_dir else []
+    args = [sys.executable, "-m", "lightning_pin.train", *config_dir, "-m", *study.overrides, "pin=faults",
+            f"pin.kind={kind}", *sweep, f"pin.seed={seeds}", f"ckpt_path={ckpt}", "skip_finished=true",
+            f"hydra.sweep.dir={sweep_dir}", f"hydra.sweep.subdir={subdir}", *launcher]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    finished = {job.name for job in jobs if (sweep_dir / job.name / RUN_SUMMARY).is_file()}
+    with open(log_path, "a") as log:
+        log.write(f"$ {' '.join(args)}\n")
+        log.flush()
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        started = time.monotonic()
+        while True:
+            alive = process.poll() is None
+            for job in todo:
+                if job.name not in finished and (sweep_dir / job.name / RUN_SUMMARY).is_file():
+                    finished.add(job.name)
+                    _report_job(job, sweep_dir, 0, progress, eta)
+            if not alive:
+                break
+            progress.beat(lambda: eta.status(
+                f"the {study.launcher} multirun running ({time.monotonic() - started:.0f} s)"))
+            time.sleep(0.25)
+    if process.returncode != 0:
+        _show_failure(log_path, f"a job of the {study.launcher} multirun failed")
+        return True
+    return False
+
+
+def _show_failure(log_path: Path, what: str) -> None:
+    lines = log_path.read_text(errors="replace").splitlines()[-25:] if log_path.is_file() else []
+    print(f"lightning-pin faults: {what}; the end of {log_path}:\n" + "\n".join(lines), file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows
+
+
+def _rows(sweep_dir: Path, study: Study, jobs: Sequence[Job], counter: "ForcedCampaign") -> list[dict[str, Any]]:
+    """The CSV rows of the requested jobs, with the stored bits their faults change (``changed_bits``)."""
     rows = []
-    for path in sweep_dir.glob(f"*/{RUN_SUMMARY}"):
-        summary = json.loads(path.read_text())
-        fault = summary.get("fault") or {}
-        key = (fault.get("kind"), fault.get("rate"), fault.get("seed"))
-        if by_param:
-            key = (*key, fault.get("params"))
-        if key in wanted:
-            row = report.job_row(summary, str(path.parent))
-            row["recipe"] = " ".join(study.overrides)
-            rows.append(row)
-    return report.sort_rows(rows, "param" if by_param else "rate")
+    for job in jobs:
+        path = sweep_dir / job.name / RUN_SUMMARY
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise StudyError(f"{path} is unreadable ({err}): delete it and run the study again (that job reruns)")
+        row = report.job_row(summary, str(path.parent))
+        row["recipe"] = " ".join(study.overrides)
+        row["changed_bits"] = counter.changed_bits(job)
+        rows.append(row)
+    return report.sort_rows(rows, "param" if jobs and jobs[0].param is not None else "rate")
 
 
-def _param_names(overrides: Sequence[str], ckpt: str) -> list[str]:
+def _param_names(template: Any, ckpt: str) -> list[str]:
     """The parameters ``pin.params`` matches, read from the composed config and the baseline checkpoint."""
     from fnmatch import fnmatchcase
 
     import torch
-    from hydra import compose, initialize_config_dir
 
-    from lightning_pin.app.config import register_configs
-    from lightning_pin.app.train import CONFIG_DIR
-
-    register_configs()
-    keep = [o for o in overrides if not o.startswith("hydra")]
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=[*keep, "pin=faults"])
-    patterns = cfg.pin.params if not isinstance(cfg.pin.params, str) else [cfg.pin.params]
+    patterns = template.pin.params if not isinstance(template.pin.params, str) else [template.pin.params]
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     names = list(state.get("state_dict", state))
 
@@ -298,41 +781,131 @@ def _param_names(overrides: Sequence[str], ckpt: str) -> list[str]:
     return found
 
 
-def _show_failure(log_path: Path, what: str) -> None:
-    lines = log_path.read_text().splitlines()[-25:]
-    print(f"lightning-pin faults: {what}; the end of {log_path}:\n" + "\n".join(lines), file=sys.stderr)
+class ForcedCampaign:
+    """Many draws on one model in this process: the faults written into the weights, measured, undone exactly.
+
+    The model and its validation batches are built once from the job config (as the app builds them)
+    and the baseline loaded; each draw saves only the words it changes (no copy of the model) and
+    writes them back after the evaluation. ``evaluate=False``: only count the bits each draw changes
+    (``changed_bits`` of a retrained study's rows).
+    """
+
+    def __init__(self, template: Any, ckpt: str, progress: Progress, evaluate: bool = True) -> None:
+        import torch
+        from hydra.utils import instantiate
+
+        from lightning_pin.app.train import load_weights
+
+        self.template, self.ckpt, self.progress = template, ckpt, progress
+        if template.get("torch_threads"):
+            torch.set_num_threads(template.torch_threads)  # as the app's jobs run
+        #: The study's overrides, for the rows' ``recipe`` column.
+        self.recipe = ""
+        optimizer = instantiate(template.optimizer, _convert_="all")
+        self.model = instantiate(template.model, _partial_=True, _convert_="all")(optimizer=optimizer)
+        load_weights(self.model, ckpt)
+        self.model.eval()
+        self._reference = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self._parameters = dict(self.model.named_parameters())
+        self.sizes = {n: p.numel() for n, p in self.model.named_parameters()}
+        self.batches: list[Any] = []
+        if evaluate:
+            datamodule = instantiate(template.data, _convert_="all")
+            datamodule.prepare_data()
+            datamodule.setup("fit")
+            loader = datamodule.val_dataloader()
+            limit = _batch_limit(template.trainer.get("limit_val_batches"), len(loader))
+            self.batches = [batch for _, batch in zip(range(limit), loader)]
+        self.torch = torch
+        # Read once: OmegaConf lookups would cost more per draw than drawing a few faults.
+        pin = template.pin
+        self._params = _plain(pin.params)
+        self._options = {key: _plain(pin.get(key)) for key in ("low", "high", "sa1_fraction", "cell_high", "bits",
+                                                               "one_fraction") if pin.get(key) is not None}
+        monitor = template.callbacks.pin_callback.get("monitor") or {}
+        self.tolerance = monitor.get("tolerance") if hasattr(monitor, "get") else None
+        self.baseline = self.evaluate() if evaluate else None
+
+    def evaluate(self) -> float:
+        """Accuracy over the validation batches, as the app's monitor measures it (micro accuracy of argmax)."""
+        from lightning_pin.callbacks.monitor import default_predict
+
+        torch = self.torch
+        correct = torch.zeros((), dtype=torch.int64)
+        total = 0
+        with torch.no_grad():
+            for batch in self.batches:
+                preds, target = default_predict(self.model, batch)
+                correct += (preds.argmax(dim=1) == target).sum()
+                total += target.numel()
+        return float(correct / torch.tensor(total))  # int64 / int64 -> float32, as torchmetrics divides
+
+    def draw(self, job: Job) -> Any:
+        """The job's faults on the model, as a patch to enter (:class:`~lightning_pin.faults.WordPatch`)."""
+        from lightning_pin.app.fault_pins import draw_faults
+        from lightning_pin.faults import flip_bits, forced_patch
+
+        params = job.param if job.param is not None else self._params
+        if job.kind == "flip":
+            return flip_bits(self.model, params, job.rate, bits=self._options.get("bits"), seed=job.seed)
+        pins = draw_faults(self.model, job.kind, job.rate, job.seed, params, **self._options)
+        return forced_patch(self.model, pins, parameters=self._parameters)
+
+    def changed_bits(self, job: Job) -> int:
+        with self.draw(job) as patch:
+            pass
+        return patch.changed_bits
+
+    def run(self, jobs: Sequence[Job], what: str) -> list[dict[str, Any]]:
+        """One row per job: baseline and forced accuracy, the bits changed; final, gap and recovered_step empty."""
+        self.progress.line(f"{what}: {len(jobs)} draw(s) in this process, baseline {self.baseline:.4f}")
+        eta = _Eta(what, len(jobs), 0, 1)
+        rows = []
+        last = time.monotonic()
+        for index, job in enumerate(jobs):
+            started = time.perf_counter()
+            with self.draw(job) as patch:
+                forced = self.evaluate()
+            seconds = time.perf_counter() - started
+            rows.append({
+                "kind": job.kind, "rate": job.rate, "seed": job.seed, "param": job.param, "baseline": self.baseline,
+                "forced": forced, "final": None, "gap": None, "recovered_step": None,
+                "pinned_elements": patch.elements, "changed_bits": patch.changed_bits, "pins_exact": None,
+                "seconds": round(seconds, 4), "tolerance": self.tolerance, "diverged": None,
+                "recipe": self.recipe, "job_dir": "",
+            })
+            eta.done += 1
+            eta.ran += 1
+            if time.monotonic() - last >= HEARTBEAT or index == len(jobs) - 1:
+                elapsed = time.monotonic() - eta.started
+                left = elapsed / (index + 1) * (len(jobs) - index - 1)
+                self.progress.line(f"[{index + 1}/{len(jobs)}] {what}: {job.label()}: forced {forced:.3f}; "
+                                   f"{_seconds(elapsed)} elapsed, ETA {_seconds(left)}")
+                last = time.monotonic()
+        return report.sort_rows(rows, "param" if jobs and jobs[0].param is not None else "rate")
+
+    def check_restored(self) -> None:
+        """Every parameter equals the baseline, bit for bit, after all the draws (PinError otherwise)."""
+        torch = self.torch
+        for name, parameter in self.model.named_parameters():
+            before = self._reference[name]
+            if not torch.equal(parameter.detach().view(-1).view(torch.uint8), before.view(-1).view(torch.uint8)):
+                raise PinError(f"{name} was not restored exactly after the draws")
 
 
-class _Progress:
-    """A bar over the jobs (rich when installed; else one line per finished job)."""
+def _batch_limit(limit: Any, batches: int) -> int:
+    """How many validation batches Lightning's ``limit_val_batches`` lets through."""
+    if limit is None:
+        return batches
+    if isinstance(limit, float):
+        return batches if limit >= 1.0 else max(1, int(batches * limit)) if limit > 0 else 0
+    return min(int(limit), batches)
 
-    def __init__(self, what: str, total: int, skipped: int) -> None:
-        self.what, self.total, self.done, self.skipped = what, total, skipped, skipped
-        self._rich: Any = None
 
-    def __enter__(self) -> "_Progress":
-        note = f" ({self.skipped} finished before, skipped)" if self.skipped else ""
-        try:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        except ImportError:
-            print(f"{self.what}: {self.skipped}/{self.total} jobs{note}", flush=True)
-            return self
-        self._rich = Progress(TextColumn(f"{self.what}{note}"), BarColumn(), MofNCompleteColumn(),
-                              TimeElapsedColumn(), transient=False)
-        self._rich.start()
-        self._task = self._rich.add_task(self.what, total=self.total, completed=self.skipped)
-        return self
+def _plain(value: Any) -> Any:
+    from omegaconf import DictConfig, ListConfig, OmegaConf
 
-    def update(self, done: int) -> None:
-        done = min(done, self.total)
-        if done == self.done:
-            return
-        self.done = done
-        if self._rich is not None:
-            self._rich.update(self._task, completed=done)
-        else:
-            print(f"{self.what}: {done}/{self.total} jobs", flush=True)
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
 
-    def __exit__(self, *exc: Any) -> None:
-        if self._rich is not None:
-            self._rich.stop()
+
+

@@ -310,12 +310,16 @@ def check_lengths(cfg: DictConfig) -> None:
     """Refuse fits that would never end or never train, before anything is built.
 
     Lightning reads ``max_epochs=-1`` as "no limit": with no ``max_steps`` the app would retrain for
-    ever. ``max_epochs=0`` retrains nothing, so no pin would ever be applied.
+    ever. ``max_epochs=0`` (or ``max_steps=0``) retrains nothing, so no pin would ever be applied.
 
     Raises:
         ValueError: naming the key and what would be right.
     """
     epochs, steps = cfg.trainer.max_epochs, cfg.trainer.get("max_steps", -1)
+    if steps == 0:
+        # Lightning stops a fit with max_steps=0 before its first step, whatever max_epochs says.
+        raise ValueError("trainer.max_steps=0 retrains nothing: give trainer.max_steps=1 or more, or -1 for no step "
+                         "limit (then trainer.max_epochs bounds the retraining)")
     if (epochs is None or epochs < 1) and not (steps is not None and steps > 0):
         raise ValueError(
             f"trainer.max_epochs={epochs} "
@@ -426,10 +430,13 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"  accuracy  baseline {_fmt(summary['baseline'])}  forced {_fmt(summary['forced'])}  "
             f"final {_fmt(summary['final'])}  (gap to baseline {summary['gap']:+.3f}, {_recovery(summary)})"
         )
-    lines.append(
-        "  pins      exact: verified with torch.equal on every pinned element; "
-        f"{summary['violations']} violations logged"
-    )
+    if summary.get("pinned_elements"):
+        lines.append(
+            "  pins      exact: verified with torch.equal on every pinned element; "
+            f"{summary['violations']} violations logged"
+        )
+    else:
+        lines.append("  pins      nothing pinned (no pin selects an element): nothing to verify")
     drift = []
     if summary.get("pin_drift_max") is not None:
         drift.append(f"pinned elements moved up to {summary['pin_drift_max']:.3g} by a step, before the restore")

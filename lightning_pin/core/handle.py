@@ -545,7 +545,8 @@ class PinHandle:
     def __repr__(self) -> str:
         plan = self.engine.plan
         return (
-            f"PinHandle({len(plan.pins)} pins on {len(plan.parameters)} parameters, step={self.step}, "
+            f"PinHandle({len(plan.pins)} pin{'s' if len(plan.pins) != 1 else ''} on {len(plan.parameters)} "
+            f"parameter{'s' if len(plan.parameters) != 1 else ''}, step={self.step}, "
             f"active={sorted(self.engine.active)})"
         )
 

@@ -196,7 +196,8 @@ class PinPlan:
         )
         lines.append(
             f"trainable elements: {self.trainable_elements:,}  pinned: {pinned:,}  free: {free:,}"
-            f"  ({len(self.pins)} pin{'s' if len(self.pins) != 1 else ''} on {len(self.parameters)} parameters)"
+            f"  ({len(self.pins)} pin{'s' if len(self.pins) != 1 else ''} on {len(self.parameters)} "
+            f"parameter{'s' if len(self.parameters) != 1 else ''})"
         )
         return "\n".join(lines)
 
@@ -205,8 +206,9 @@ def _describe(rp: ResolvedPin, selection: Selection) -> str:
     pin = rp.pin
     parts = [selection.how, kinds.of(selection.kind).describe(selection)]
     if pin.start_step or pin.stop_step is not None:
-        stop = "end" if pin.stop_step is None else pin.stop_step
-        parts.append(f"steps {pin.start_step}..{stop}")
+        # Active for steps [start_step, stop_step): the last step it holds is stop_step - 1.
+        stop = "end" if pin.stop_step is None else pin.stop_step - 1
+        parts.append(f"step {stop}" if stop == pin.start_step else f"steps {pin.start_step}..{stop}")
     if pin.when is not None:
         parts.append(f"when {getattr(rp.when, '__qualname__', pin.when)}")
     return ", ".join(parts)

@@ -8,6 +8,8 @@ faults for a module and return plain :class:`~lightning_pin.Pin` lists, to give 
   cells read ``sign(w) * high`` (a ReRAM device stuck at its extreme conductance);
 - :func:`bit_faults`: each (element, bit) pair of the stored word is stuck with probability
   ``rate`` (a bit error rate of SRAM / DRAM weight memory); the other bits keep training;
+- :func:`flip_bits`: transient flips: each (element, bit) pair flips with probability ``rate``
+  while a ``with`` block evaluates the model, and the words are restored exactly on exit;
 - :func:`save_fault_map` / :func:`load_fault_map`: one file format for stuck values, stuck bits
   and bounds per parameter name, so a chip's measured fault map can be pinned as it is.
 
@@ -19,5 +21,18 @@ from lightning_pin.faults._common import FaultPins
 from lightning_pin.faults.bits import bit_faults, bit_positions
 from lightning_pin.faults.cells import cell_faults
 from lightning_pin.faults.fault_map import load_fault_map, save_fault_map
+from lightning_pin.faults.flips import BitFlips, WordPatch, changed_bits, flip_bits, forced_patch
 
-__all__ = ["FaultPins", "bit_faults", "bit_positions", "cell_faults", "load_fault_map", "save_fault_map"]
+__all__ = [
+    "BitFlips",
+    "FaultPins",
+    "WordPatch",
+    "bit_faults",
+    "bit_positions",
+    "cell_faults",
+    "changed_bits",
+    "flip_bits",
+    "forced_patch",
+    "load_fault_map",
+    "save_fault_map",
+]

@@ -17,6 +17,7 @@ from lightning_pin.core.state import BITS_DTYPES
 from lightning_pin.faults._common import (
     FaultPins,
     Params,
+    arrivals,
     check_fraction,
     check_seed,
     coordinates,
@@ -25,14 +26,6 @@ from lightning_pin.faults._common import (
     floating_parameters,
 )
 
-
-#: Draws of the polarities of an element whose stuck bits would read inf / NaN, before it is skipped.
-REDRAWS = 8
-#: A parameter with at most this many (element, bit) pairs draws one uniform per pair; a larger one
-#: draws how many pairs are stuck (a binomial quantile), then which (a stream of distinct draws).
-DENSE_PAIRS = 1 << 20
-#: Pairs per chunk of the per-pair draw (a fixed schedule: the draws never depend on the rate).
-CHUNK = 1 << 16
 
 BitSpec = Union[None, str, int, Iterable[Union[int, str]]]
 
@@ -54,15 +47,15 @@ def bit_faults(
     parameter that drew a fault, holding ``stuck_at_zero`` / ``stuck_at_one`` masks for its faulty
     elements: after every optimizer step ``bits = (bits & ~stuck_at_zero) | stuck_at_one``, the other
     bits keep training. A pattern whose stuck bits alone would make the element inf or NaN
-    (every exponent bit stuck at one, which lightning-pin refuses) gets its polarities drawn again,
-    up to :data:`REDRAWS` times, then is skipped; ``summary``, ``redrawn`` and ``skipped`` say how many.
+    (every exponent bit stuck at one, which lightning-pin refuses) has the exponent bit drawn last
+    read zero instead; ``summary`` and ``redrawn`` say how many (``skipped`` is 0: nothing is dropped).
 
-    Drawing is vectorized: a parameter of more than :data:`DENSE_PAIRS` pairs draws the number
-    of stuck pairs (a binomial), then that many distinct pairs, so a large tensor at a small rate
-    costs about its number of faults, not its size. Seeded with ``seed`` and the parameter's name,
-    on the CPU, in full-parameter coordinates: the same faults on every rank and run, and nested
-    across rates: with one seed, a higher rate keeps every stuck bit of a lower one (reading the
-    same) and adds more.
+    Drawing costs about the number of stuck bits, not the number of (element, bit) pairs: each
+    parameter draws how many pairs are stuck (a binomial), then that many distinct pairs of a
+    seeded random order. Seeded with ``seed`` (an integer >= 0) and the parameter's name, on the
+    CPU, in full-parameter coordinates: the same faults on every rank and run, and nested across
+    rates: with one seed, a higher rate keeps every stuck bit of a lower one (reading the same,
+    including the exponent bits read zero to keep a word finite) and adds more.
 
     Args:
         module: The module to be trained (``trainer.lightning_module``: names must match).
@@ -98,7 +91,7 @@ def bit_faults(
     check_fraction("rate", rate)
     check_fraction("one_fraction", one_fraction)
     check_seed(seed)
-    pins, lines, faulty, redrawn_total, skipped_total = [], [], {}, 0, 0
+    pins, lines, faulty, redrawn_total = [], [], {}, 0
     for name, parameter in floating_parameters(module, params, "bit_faults").items():
         dtype = parameter.dtype
         if dtype not in BITS_DTYPES:
@@ -107,8 +100,7 @@ def bit_faults(
             )
         positions = bit_positions(bits, dtype, name)
         numel = parameter.numel()
-        seeds = [name_seed(f"{name}:{stream}", int(seed)) for stream in ("bits", "ones", "count")]
-        pairs, one = _stuck_pairs(numel * len(positions), float(rate), float(one_fraction), *seeds)
+        pairs, one, rank = drawn_pairs(name, numel * len(positions), float(rate), int(seed), float(one_fraction))
         if pairs.numel() == 0:
             faulty[name] = 0
             lines.append(f"{name}: no stuck bit ({rate:g} x {numel * len(positions):,} bit positions)")
@@ -117,44 +109,75 @@ def bit_faults(
         bit = torch.tensor(positions, dtype=torch.int64)[pairs % len(positions)]
         value = torch.ones_like(bit).bitwise_left_shift(bit)  # bit 63 wraps to -2**63: still that bit
         cells, owner = torch.unique_consecutive(element, return_inverse=True)  # pairs are sorted
-        polarity = torch.Generator().manual_seed(name_seed(f"{name}:redraw", int(seed)))
-        exponent = _exponent_mask(dtype)
+        redrawn = _keep_finite(dtype, positions, cells.numel(), owner, value, one, rank)
+        redrawn_total += redrawn
         zero_mask, one_mask = _masks(cells.numel(), owner, value, one)
-        refused = (one_mask & exponent) == exponent
-        first_refused = int(refused.sum())
-        for _ in range(REDRAWS if first_refused else 0):
-            again = refused[owner]
-            one[again] = torch.rand(int(again.sum()), generator=polarity, dtype=torch.float64) < one_fraction
-            zero_mask, one_mask = _masks(cells.numel(), owner, value, one)
-            refused = (one_mask & exponent) == exponent
-            if not bool(refused.any()):
-                break
-        skipped = int(refused.sum())
-        if skipped:
-            kept = ~refused
-            cells, zero_mask, one_mask = cells[kept], zero_mask[kept], one_mask[kept]
-            one, value = one[kept[owner]], value[kept[owner]]
-        redrawn_total += first_refused - skipped
-        skipped_total += skipped
         faulty[name] = cells.numel()
-        if cells.numel():
-            word = BITS_DTYPES[dtype]
-            pins.append(
-                Pin(
-                    exact_pattern(name),
-                    indices=coordinates(cells, tuple(parameter.shape)),
-                    stuck_at_zero=zero_mask.to(word),  # integer casts wrap: the same bits in the word's type
-                    stuck_at_one=one_mask.to(word),
-                )
+        word = BITS_DTYPES[dtype]
+        pins.append(
+            Pin(
+                exact_pattern(name),
+                indices=coordinates(cells, tuple(parameter.shape)),
+                stuck_at_zero=zero_mask.to(word),  # integer casts wrap: the same bits in the word's type
+                stuck_at_one=one_mask.to(word),
             )
+        )
         ones = int(one.sum())
         lines.append(
             f"{name}: {value.numel():,} stuck bits in {cells.numel():,} of {numel:,} elements ({ones:,} read 1, "
-            f"{value.numel() - ones:,} read 0; bits {_ranges(positions)}); {first_refused - skipped} re-drawn, "
-            f"{skipped} skipped"
+            f"{value.numel() - ones:,} read 0; bits {_ranges(positions)}); {redrawn} re-drawn, 0 skipped"
         )
     title = f"bit faults (rate {rate:g}, one_fraction {one_fraction:g}, seed {seed})"
-    return finish(pins, title, lines, faulty, redrawn_total, skipped_total)
+    return finish(pins, title, lines, faulty, redrawn_total, 0)
+
+
+def drawn_pairs(name: str, total: int, rate: float, seed: int, one_fraction: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The (element, bit) pairs of parameter ``name`` hit at ``rate`` (ids in ``[0, total)``, sorted), whether
+    each reads one (probability ``one_fraction``), and its arrival rank (a lower rate hits the lower ranks).
+
+    How many pairs: a binomial draw (its quantile at one seeded uniform: more for a higher rate);
+    which: the first that many of a seeded random order (:func:`~lightning_pin.faults._common.arrivals`).
+    Together the distribution of one independent draw per pair, at a cost of about the number of
+    pairs hit. :func:`bit_faults` and :func:`~lightning_pin.faults.flip_bits` share it: one seed
+    hits the same pairs in both.
+    """
+    seeds = [name_seed(f"{name}:{stream}", seed) for stream in ("bits", "ones", "count")]
+    if rate == 0 or total == 0:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return empty, torch.zeros(0, dtype=torch.bool), empty
+    level = float(torch.rand(1, generator=torch.Generator().manual_seed(seeds[2]), dtype=torch.float64))
+    wanted = _binomial_quantile(total, rate, level)
+    ids, uniforms = arrivals(total, wanted, seeds[0], seeds[1])
+    order = ids.argsort()
+    return ids[order], (uniforms < one_fraction)[order], order  # order[i]: the arrival rank of pair i
+
+
+def _keep_finite(
+    dtype: torch.dtype, positions: Sequence[int], count: int, owner: Tensor, value: Tensor, one: Tensor, rank: Tensor
+) -> int:
+    """Elements whose stuck bits would read inf / NaN (every exponent bit stuck at one): their exponent bit
+    that arrived last reads zero instead (``one`` is changed in place). Returns how many.
+
+    The last arrival is the same at every rate at which all the exponent bits are stuck, so the
+    polarities a lower rate drew are never changed: the draws stay nested across rates.
+    """
+    exponent = _exponent_mask(dtype)
+    width, mantissa = _word(dtype)
+    exponent_bits = width - 1 - mantissa
+    is_exponent = (value & exponent) != 0
+    if sum(mantissa <= p < width - 1 for p in positions) < exponent_bits:
+        return 0
+    zeros = torch.zeros(count, dtype=torch.int64)
+    ones_in_exponent = zeros.index_add(0, owner, (is_exponent & one).to(torch.int64))
+    refused = ones_in_exponent == exponent_bits
+    if not bool(refused.any()):
+        return 0
+    candidates = is_exponent & refused[owner]
+    last = torch.full((count,), -1, dtype=torch.int64).scatter_reduce(
+        0, owner[candidates], rank[candidates], reduce="amax"
+    )
+    one[candidates & (rank == last[owner])] = False
+    return int(refused.sum())
 
 
 def bit_positions(bits: BitSpec, dtype: torch.dtype, name: str = "") -> list[int]:
@@ -220,67 +243,27 @@ def _masks(count: int, owner: Tensor, value: Tensor, one: Tensor) -> tuple[Tenso
     )
 
 
-def _stuck_pairs(
-    total: int, rate: float, one_fraction: float, seed: int, ones: int, count: int
-) -> tuple[Tensor, Tensor]:
-    """Sorted ids in ``[0, total)`` of the stuck pairs (each stuck with probability ``rate``), and
-    which of them read one (each with probability ``one_fraction``).
-
-    Nested in ``rate``: every pair carries its own draws whatever the rate (a uniform, or its place
-    in a stream of distinct draws, and a polarity), so with the same seeds a higher rate keeps
-    every stuck bit of a lower one, reading the same, and adds more.
-    """
-    where, polarity = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(ones)
-    if rate == 0 or total == 0:
-        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)
-    if total <= DENSE_PAIRS:
-        stuck, reads_one = [], []
-        for start in range(0, total, CHUNK):
-            size = min(CHUNK, total - start)
-            hit = (torch.rand(size, generator=where, dtype=torch.float64) < rate).nonzero().squeeze(1)
-            stuck.append(hit + start)
-            reads_one.append(torch.rand(size, generator=polarity, dtype=torch.float64)[hit] < one_fraction)
-        return torch.cat(stuck), torch.cat(reads_one)
-    # As many pairs as a binomial draw says (its quantile at one uniform: more for a higher rate),
-    # then the first that many distinct pairs of a uniform stream: a uniform subset of that size,
-    # which is the distribution of one draw per pair, at O(faults) cost.
-    level = float(torch.rand(1, generator=torch.Generator().manual_seed(count), dtype=torch.float64))
-    wanted = _binomial_quantile(total, rate, level)
-    if wanted == 0:
-        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)
-    streams: list[Tensor] = []
-    polarities: list[Tensor] = []
-    # m draws from `total` give about total * (1 - exp(-m / total)) distinct ones: draw that many
-    # (and a margin) at once, then more only in the rare case that was not enough.
-    needed = -total * math.log1p(-min(wanted / total, 1 - 1e-12)) * 1.02 + 1024
-    while True:
-        while sum(len(x) for x in streams) < needed:
-            size = CHUNK << len(streams)  # a fixed schedule: the stream is the same whatever is wanted
-            streams.append(torch.randint(total, (size,), generator=where))
-            polarities.append(torch.rand(size, generator=polarity, dtype=torch.float64))
-        drawn = torch.cat(streams)
-        unique, inverse = torch.unique(drawn, return_inverse=True)
-        if unique.numel() >= wanted:
-            break
-        needed = drawn.numel() + 1
-    first = torch.full((unique.numel(),), drawn.numel(), dtype=torch.int64)
-    first.scatter_reduce_(0, inverse, torch.arange(drawn.numel()), reduce="amin")
-    chosen = first.sort().values[:wanted]  # stream positions of the first `wanted` distinct pairs
-    pairs, reads_one = drawn[chosen], torch.cat(polarities)[chosen] < one_fraction
-    order = pairs.argsort()
-    return pairs[order], reads_one[order]
-
-
 def _binomial_quantile(n: int, p: float, level: float) -> int:
     """The smallest k with ``P(Binomial(n, p) <= k) >= level``: increasing in ``p`` for a fixed level.
 
     The probabilities are summed in float64 over the mean +- 12 standard deviations (the mass
-    outside is below 1e-30).
+    outside is below 1e-30). A short range is summed in Python (each term from the last): a few
+    hundred tensor elements would cost more in torch's thread pool than the sum itself.
     """
     if p >= 1:
         return n
     mean, sd = n * p, math.sqrt(n * p * (1 - p))
     low, high = max(0, math.floor(mean - 12 * sd) - 16), min(n, math.ceil(mean + 12 * sd) + 16)
+    if high - low <= 4096:
+        term = math.exp(math.lgamma(n + 1) - math.lgamma(low + 1) - math.lgamma(n - low + 1)
+                        + low * math.log(p) + (n - low) * math.log1p(-p))
+        odds, cdf = p / (1 - p), 0.0
+        for k in range(low, high + 1):
+            cdf += term
+            if cdf >= level:
+                return k
+            term *= (n - k) / (k + 1) * odds
+        return high
     k = torch.arange(low, high + 1, dtype=torch.float64)
     log_pmf = math.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1)
     log_pmf += k * math.log(p) + (n - k) * math.log1p(-p)

@@ -7,7 +7,7 @@ import numbers
 from typing import Optional
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import name_seed
@@ -15,6 +15,7 @@ from lightning_pin.core.spec import Pin
 from lightning_pin.faults._common import (
     FaultPins,
     Params,
+    arrivals,
     check_fraction,
     check_seed,
     coordinates,
@@ -43,11 +44,16 @@ def cell_faults(
     at its extreme conductance. ``high`` defaults to the parameter's largest magnitude when the
     faults are drawn, so draw them on the trained model you retrain.
 
-    Every element gets one uniform key for "is it faulty" and one for "SA1 or SA0", from
-    generators seeded with ``seed`` and the parameter's name, in full-parameter coordinates:
-    the same faults on every rank and run, and nested across rates: with one seed, a higher
-    rate keeps every faulty cell of a lower one, of the same kind, and adds more (common random
-    numbers for a fault-rate sweep). Cost: two draws per element of the matched parameters.
+    The faulty cells are the first ``round(rate * numel)`` of a random order of the elements, and
+    each gets its SA1 / SA0 draw with its place in that order, from generators seeded with
+    ``seed`` (an integer >= 0) and the parameter's name, in full-parameter coordinates: the same
+    faults on every rank and run, and nested across rates: with one seed, a higher rate keeps
+    every faulty cell of a lower one, of the same kind, and adds more (common random numbers for
+    a fault-rate sweep). Cost: about the number of faulty cells, not the parameter's size.
+
+    A parameter whose elements are all zero has no magnitude for SA1 cells to read: with
+    ``high=None`` and ``sa1_fraction > 0`` that is a ``PinError`` (give ``high=`` or
+    ``sa1_fraction=0``), not SA1 cells silently stuck at ``±0.0``.
 
     Args:
         module: The module to be trained (``trainer.lightning_module``: names must match).
@@ -64,8 +70,8 @@ def cell_faults(
 
     Raises:
         PinError: ``params`` matches no parameter (the closest names are listed), a matched
-            parameter is not floating point, or ``rate`` / ``sa1_fraction`` / ``high`` / ``seed``
-            is out of range.
+            parameter is not floating point, ``rate`` / ``sa1_fraction`` / ``high`` / ``seed``
+            is out of range, or SA1 cells would read the largest magnitude of an all-zero parameter.
 
     Example::
 
@@ -94,12 +100,19 @@ def cell_faults(
         if count == 0:
             lines.append(f"{name}: no faulty cell ({rate:g} of {weights.numel():,} rounds to 0)")
             continue
-        cells = _smallest_keys(weights.numel(), count, name_seed(f"{name}:cells", int(seed)))
-        kinds = torch.Generator().manual_seed(name_seed(f"{name}:sa1", int(seed)))
-        sa1 = torch.rand(weights.numel(), generator=kinds, dtype=torch.float64)[cells] < sa1_fraction
+        ids, uniforms = arrivals(
+            weights.numel(), count, name_seed(f"{name}:cells", int(seed)), name_seed(f"{name}:sa1", int(seed))
+        )
+        order = ids.argsort()
+        cells, sa1 = ids[order], (uniforms < sa1_fraction)[order]
         flat = weights.reshape(-1)[cells.to(weights.device)].cpu()
         # In the parameter's dtype from the start: every value drawn is pinned exactly as drawn.
         magnitude = weights.abs().max().cpu() if high is None else in_dtype(high, weights.dtype, name)
+        if high is None and bool(sa1.any()) and float(magnitude) == 0.0:
+            raise PinError(
+                f"cell_faults: {name!r} is all zeros, so its SA1 cells would read ±0.0 (its largest magnitude), "
+                "the same as SA0: give high=<the magnitude an SA1 cell reads>, or sa1_fraction=0"
+            )
         values = torch.where(sa1, torch.copysign(magnitude.expand(count), flat), torch.zeros((), dtype=flat.dtype))
         pins.append(Pin(exact_pattern(name), indices=coordinates(cells, tuple(weights.shape)), value=values))
         ones = int(sa1.sum())
@@ -108,13 +121,3 @@ def cell_faults(
             f"at ±{magnitude.item():.6g})"
         )
     return finish(pins, f"cell faults (rate {rate:g}, sa1_fraction {sa1_fraction:g}, seed {seed})", lines, faulty)
-
-
-def _smallest_keys(numel: int, count: int, seed: int) -> Tensor:
-    """The sorted flat indices of the ``count`` elements with the smallest uniform keys.
-
-    Keys are one float64 draw per element from a generator seeded with ``seed``, so the cells of
-    a smaller ``count`` are always among those of a larger one.
-    """
-    keys = torch.rand(numel, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return keys.topk(count, largest=False, sorted=False).indices.sort().values

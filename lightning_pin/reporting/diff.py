@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
-import torch
 from torch import Tensor
 
 # The one tensor-file reader (weights_only=True), also offered here: `lightning-pin diff` reads with it.
-from lightning_pin.core.io import load_checkpoint
+from lightning_pin.core.io import TensorFileError, load_checkpoint, load_tensors
 from lightning_pin.core.state import PinState, SavedSelection, find_pin_states
+from lightning_pin.reporting import check as _check
 from lightning_pin.reporting.compare import bounds_off, stuck_bits_off
 from lightning_pin.reporting.compare import differs as _differs
 from lightning_pin.reporting.compare import select as _select
@@ -34,6 +34,7 @@ __all__ = [
     "format_diff",
     "load_checkpoint",
     "print_diff",
+    "read_checkpoint",
 ]
 
 
@@ -70,6 +71,11 @@ class PinCheck:
     kind: str = "value"
     #: Why ``off_target`` is None for an active pin.
     problem: Optional[str] = None
+    #: The first off-target elements, at their coordinates in B's tensor, as ``lightning-pin check`` names them.
+    shown: tuple[_check.OffTarget, ...] = ()
+    #: dtype of B's tensor and of the targets (``"float32"``...), to print values to their last digit.
+    dtype: Optional[str] = None
+    target_dtype: Optional[str] = None
 
     @property
     def holds(self) -> bool:
@@ -121,6 +127,29 @@ class CheckpointDiff:
             "changed_elements": sum(t.changed or 0 for t in self.tensors),
             "elements": sum(t.elements for t in self.tensors),
         }
+
+
+def read_checkpoint(path: Union[str, Path]) -> dict[str, Any]:
+    """A file ``lightning-pin diff`` compares, read in every layout ``lightning-pin check`` reads, as a
+    checkpoint dict with a ``"state_dict"``: a Lightning checkpoint, a bare state dict, or the
+    plain-loop save ``{"model": model.state_dict(), "pins": handle.state_dict()}`` (its pin state kept).
+
+    Raises:
+        TensorFileError: as :func:`~lightning_pin.core.io.load_tensors`, or the file holds neither
+            weights nor a pin state.
+    """
+    loaded = load_tensors(path)
+    if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
+        return dict(loaded)
+    weights = _check._weights_of(loaded)
+    if not weights and not (isinstance(loaded, Mapping) and find_pin_states(loaded)):
+        raise TensorFileError(
+            f"{path} holds neither a Lightning checkpoint nor a state dict of tensors (nor "
+            "{'model': model.state_dict(), 'pins': handle.state_dict()})", Path(path), "contents"
+        )
+    if loaded and all(isinstance(v, Tensor) for v in loaded.values()):
+        return {"state_dict": weights}
+    return {**loaded, "state_dict": weights}
 
 
 def diff_checkpoints(
@@ -192,17 +221,33 @@ def _check_pins(
                 changed = int(_differs(_select(ta, index), _select(tb, index)).sum())
             if entry.kind != "value":
                 off, problem = _fault_off(tb, entry)
-                checks.append(
-                    PinCheck(key, pin_id, name, elements, off, changed, pin_id in active, entry.kind, problem)
-                )
+                shown = _shown(tb, [], [(pin_id, entry)]) if off else ()
+                checks.append(PinCheck(key, pin_id, name, elements, off, changed, pin_id in active, entry.kind,
+                                       problem, shown, _dtype(tb), _dtype(entry.stuck_at_zero)))
                 continue
             if target is None:
                 # A pin with value=None that never activated has no target yet.
                 checks.append(PinCheck(key, pin_id, name, elements, None, None, False))
                 continue
             off = _off_target(tb, index, target)
-            checks.append(PinCheck(key, pin_id, name, elements, off, changed, pin_id in active))
+            shown = _shown(tb, [(pin_id, index, target)], []) if off else ()
+            checks.append(PinCheck(key, pin_id, name, elements, off, changed, pin_id in active, shown=shown,
+                                   dtype=_dtype(tb), target_dtype=_dtype(target)))
     return checks
+
+
+def _shown(tensor: Optional[Tensor], entries: Any, faults: Any) -> tuple[_check.OffTarget, ...]:
+    """The first off-target elements of one saved selection in ``tensor``, found as ``check`` finds them."""
+    if tensor is None:
+        return ()
+    try:
+        return _check._compare(tensor, entries, faults)[1]
+    except (IndexError, RuntimeError, _check._Unreadable):
+        return ()
+
+
+def _dtype(tensor: Optional[Tensor]) -> Optional[str]:
+    return None if tensor is None else str(tensor.dtype).replace("torch.", "")
 
 
 def _fault_off(tensor: Optional[Tensor], entry: SavedSelection) -> tuple[Optional[int], Optional[str]]:
@@ -300,4 +345,15 @@ def _pin_lines(diff: CheckpointDiff) -> list[tuple[str, Optional[bool]]]:
             moved = "" if c.changed is None else f", {c.changed:,} changed since A"
             state = "holds" if c.holds else f"{c.off_target:,} element(s) OFF TARGET"
             lines.append((f"{where}: {state}{moved}", c.holds))
+            lines += [(f"      {_show(e, c)}", False) for e in c.shown]
+            if c.off_target and c.off_target > len(c.shown) and c.shown:
+                lines.append((f"      ... and {c.off_target - len(c.shown):,} more", False))
     return lines
+
+
+def _show(element: _check.OffTarget, c: PinCheck) -> str:
+    """``[1, 2] = 0.25, target 0.5``: the shortest decimals that read back to the stored values (as ``check``)."""
+    value = _check._shortest(element.value, c.dtype or c.target_dtype or "float64")
+    if element.expected is not None:
+        return f"{list(element.position)} = {value}, {element.expected}"
+    return f"{list(element.position)} = {value}, target {_check._shortest(element.target, c.target_dtype or 'float64')}"

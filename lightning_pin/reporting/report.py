@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import textwrap
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -185,17 +186,22 @@ def build_figure(report: Mapping[str, Any], figure_class: Any = None) -> Any:
     """
     if figure_class is None:
         from matplotlib.figure import Figure as figure_class
+    from matplotlib.ticker import MaxNLocator
+
     history = report["history"]
     panels = []
     if report.get("metric") and history["accuracy"]["step"]:
         panels.append(_plot_metric)
-    if history["pin_drift"]["step"]:
+    # A drift that is the same at every logged step says one thing: a caption says it, not a panel of flat lines.
+    if history["pin_drift"]["step"] and not (_flat_drift(report) and not report["violations"]):
         panels.append(_plot_pin_drift)
     if history["weight_drift"]["step"]:
         panels.append(_plot_weight_drift)
     if not panels:
         panels.append(_plot_nothing)
-    fig = figure_class(figsize=(11.5, 3.1 * len(panels) + 0.6))
+    # The captions, wrapped to the figure's width (about 165 characters of 8.5 pt at 11.5 inches).
+    notes = [line for note in _captions(report) for line in textwrap.wrap(note, 165)]
+    fig = figure_class(figsize=(11.5, 3.1 * len(panels) + 0.6 + 0.22 * len(notes)))
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)
     for panel, ax in zip(panels, axes[:, 0]):
         panel(ax, report)
@@ -204,9 +210,50 @@ def build_figure(report: Mapping[str, Any], figure_class: Any = None) -> Any:
             # Beside the panel: inside it, a legend covers the data of runs that go anywhere.
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, framealpha=0.9)
     axes[-1, 0].set_xlabel("optimizer step")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     fig.suptitle(_headline(report), fontsize=10.5)
-    fig.tight_layout()
+    height = fig.get_size_inches()[1]
+    for i, note in enumerate(notes):
+        fig.text(0.01, (0.08 + 0.22 * (len(notes) - 1 - i)) / height, note, fontsize=8.5, color="0.25", ha="left")
+    fig.tight_layout(rect=(0, (0.22 * len(notes) + 0.05) / height if notes else 0, 1, 1))
     return fig
+
+
+def _flat_drift(report: Mapping[str, Any]) -> bool:
+    """Is the pin drift the same at every logged step (two or more), and not zero?"""
+    drift = report["history"]["pin_drift"]
+    return (len(drift["step"]) >= 2 and len(set(drift["max"])) == 1 and len(set(drift["mean"])) == 1
+            and drift["max"][0] > 0)
+
+
+def _captions(report: Mapping[str, Any]) -> list[str]:
+    """What the panels do not show, and why: a flat pin drift folded away, a drift never logged."""
+    drift = report["history"]["pin_drift"]
+    notes = []
+    if _flat_drift(report) and not report["violations"]:
+        notes.append(
+            f"pin drift (not drawn): the same at each of the {len(drift['step'])} logged steps, max "
+            f"{_fmt(drift['max'][0])}, mean {_fmt(drift['mean'][0])} per step before the restore. The pinned values "
+            "are the same every step, so a move that depends only on them is too, such as decoupled weight decay "
+            "(AdamW moves each by lr x weight_decay x |value|); the restore undoes it (0 violations)."
+        )
+    elif _drift_missing(report) == "short":
+        notes.append(
+            f"pin drift was not logged: the run took {report['steps']} optimizer steps, fewer than the trainer's "
+            "log_every_n_steps (Lightning's default 50; the app's 5). Lower it to see the drift."
+        )
+    elif _drift_missing(report) == "off":
+        notes.append("pin drift was not measured (PinMonitor(drift=False)); the weight drift was.")
+    return notes
+
+
+def _drift_missing(report: Mapping[str, Any]) -> Optional[str]:
+    """Why a run of some steps has no pin drift: ``"short"`` (no logging step: the weight drift has only
+    the fit's start and end, which are measured whatever the interval), ``"off"`` (the weight drift was
+    logged in between, so the pin drift was switched off), or None (it has one)."""
+    if report["history"]["pin_drift"]["step"] or not report.get("steps"):
+        return None
+    return "off" if len(report["history"]["weight_drift"]["step"]) > 2 else "short"
 
 
 def _headline(report: Mapping[str, Any]) -> str:
@@ -217,6 +264,9 @@ def _headline(report: Mapping[str, Any]) -> str:
             f"final {_fmt(report['final'])}"
         )
     parts.append(f"{report['pinned_elements']:,} pinned elements, violations {report['violations']}")
+    if report.get("truncated"):
+        parts.append("truncated event file: read up to step "
+                     + ", ".join(str(c.get("last_step", "-")) for c in report["truncated"]))
     return "   |   ".join(parts)
 
 
@@ -224,7 +274,11 @@ def _plot_metric(ax: Any, report: Mapping[str, Any]) -> None:
     steps, values = report["history"]["accuracy"]["step"], report["history"]["accuracy"]["value"]
     baseline, forced, tolerance = report["baseline"], report["forced"], report["tolerance"]
     label = f"{report['metric']} (final {_fmt(report['final'])})"
-    ax.plot(steps, values, "o-", color="tab:blue", lw=2, ms=4, label=label)
+    if len(steps) > 2:
+        ax.plot(steps, values, "o-", color="tab:blue", lw=2, ms=4, label=label)
+    else:
+        # Two measurements (forced, final): a solid line would read as measured in between.
+        ax.plot(steps, values, "o:", color="tab:blue", lw=1.2, ms=6, label=label)
     if baseline is not None:
         worst = baseline - tolerance if report["higher_is_better"] else baseline + tolerance
         ax.axhspan(min(baseline, worst), max(baseline, worst), color="tab:green", alpha=0.12, lw=0,
@@ -236,7 +290,7 @@ def _plot_metric(ax: Any, report: Mapping[str, Any]) -> None:
         ax.axvline(report["recovered_step"], color="0.4", ls="-.", lw=1,
                    label=f"first within tolerance at step {report['recovered_step']}")
     ax.set_ylabel(report["metric"])
-    ax.set_title(f"{report['metric']} on the validation data", fontsize=10)
+    ax.set_title(f"{report['metric']} on the validation data{_only(steps)}", fontsize=10)
 
 
 def _plot_pin_drift(ax: Any, report: Mapping[str, Any]) -> None:
@@ -262,14 +316,21 @@ def _plot_pin_drift(ax: Any, report: Mapping[str, Any]) -> None:
 
 def _plot_weight_drift(ax: Any, report: Mapping[str, Any]) -> None:
     drift = report["history"]["weight_drift"]
-    ax.plot(drift["step"], drift["total"], ".-", color="tab:brown", lw=2,
+    ax.plot(drift["step"], drift["total"], ".-" if len(drift["step"]) > 2 else "o:", color="tab:brown", lw=2,
             label=f"L2 distance from fit start (final {_fmt(report['weight_drift'])}, "
                   f"{100 * (report['weight_drift_relative'] or 0):.1f}% of their norm)")
     for i, (module, values) in enumerate(drift.get("by_module", {}).items()):
         if len(drift["by_module"]) > 1 and i < 8:
-            ax.plot(drift["step"], values, "-", lw=1, alpha=0.8, label=module)
+            ax.plot(drift["step"], values, "-" if len(drift["step"]) > 2 else ":", lw=1, alpha=0.8, label=module)
     ax.set_ylabel("||w - w0||")
-    ax.set_title("weight drift: how far the free weights moved to compensate", fontsize=10)
+    ax.set_title(f"weight drift: how far the free weights moved to compensate{_only(drift['step'])}", fontsize=10)
+
+
+def _only(steps: Sequence[int]) -> str:
+    """A panel title's note when it has two points or fewer: a line between them was never measured."""
+    if len(steps) > 2 or not steps:
+        return ""
+    return f", measured at step{'s' if len(steps) > 1 else ''} {' and '.join(str(s) for s in steps)} only"
 
 
 def _plot_nothing(ax: Any, report: Mapping[str, Any]) -> None:
@@ -336,7 +397,16 @@ def report_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("pinned elements", f"{report['pinned_elements']:,}" + (f" of {trainable:,} trainable" if trainable else ""))
     )
     rows.append(("violations (must be 0)", str(report["violations"])))
-    rows.append(("pin drift max / mean", f"{_fmt(report['pin_drift_max'])} / {_fmt(report['pin_drift_mean'])}"))
+    drift = f"{_fmt(report['pin_drift_max'])} / {_fmt(report['pin_drift_mean'])}"
+    history = report.get("history", {}).get("pin_drift", {})
+    missing = _drift_missing(report) if history else None
+    if missing == "short":
+        drift = f"not logged ({report['steps']} steps, fewer than log_every_n_steps)"
+    elif missing == "off":
+        drift = "not measured (PinMonitor(drift=False))"
+    elif history and _flat_drift(report):
+        drift += " (the same at every logged step)"
+    rows.append(("pin drift max / mean", drift))
     relative = report.get("weight_drift_relative")
     rows.append(
         (
@@ -347,6 +417,9 @@ def report_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     for module, value in (report.get("weight_drift_by_module") or {}).items():
         rows.append((f"  {module}", _fmt(value)))
     rows.append(("optimizer steps", str(report.get("steps", "-"))))
+    for cut in report.get("truncated") or ():
+        last = "nothing" if cut.get("last_step") is None else f"up to step {cut['last_step']}"
+        rows.append(("truncated event file (read " + last + ")", Path(str(cut.get("file"))).name))
     return rows
 
 
@@ -401,18 +474,23 @@ def find_metrics_csv(run_dir: Union[str, Path]) -> Path:
     return max(found, key=lambda item: item[0])[1]
 
 
-def read_run_metrics(path: Union[str, Path]) -> list[dict[str, float]]:
+def read_run_metrics(path: Union[str, Path], allow_truncated: bool = False) -> list[dict[str, float]]:
     """The logged rows of a run: a ``metrics.csv``, or a directory of TensorBoard event files.
 
     Raises:
         OSError: the file cannot be opened.
         ReportError: the CSV is unreadable (see :func:`read_metrics_csv`), the event files hold no
-            scalar, or tensorboard is needed and not installed.
+            scalar, an event file ends inside a record (unless ``allow_truncated``: then the rows
+            are those read up to the cut), or tensorboard is needed and not installed.
     """
     path = Path(path)
     if not path.is_dir():
         return read_metrics_csv(path)
     try:
+        cut = tensorboard.find_truncated(path)
+        if cut and not allow_truncated:
+            # TensorBoard's reader stops at the cut without a word: a report from it would look complete.
+            raise ReportError(f"{cut[0].describe()}; pass --allow-truncated to report what was read up to there")
         rows = tensorboard.read_scalars(path)
     except tensorboard.TensorBoardMissing as err:
         raise ReportError(str(err)) from None
@@ -556,6 +634,7 @@ def report_from_csv(
     metric: Optional[str] = None,
     tolerance: Optional[float] = None,
     higher_is_better: Optional[bool] = None,
+    allow_truncated: bool = False,
 ) -> dict[str, Any]:
     """Rebuild the report of a run from the ``pin/...`` metrics it logged: the columns of its
     ``metrics.csv`` (``CSVLogger``), or the scalars of its TensorBoard event files (Lightning's
@@ -565,12 +644,16 @@ def report_from_csv(
     from the ``pin_report.json`` that :class:`~lightning_pin.PinMonitor` writes next to it when
     training starts, or defaults to "higher is better" and 0.01.
 
+    A TensorBoard event file that ends inside a record is refused, or with ``allow_truncated``
+    read up to the cut, and the report's ``truncated`` lists each such file and its last step.
+
     Raises:
         FileNotFoundError: there is no ``metrics.csv`` in or below ``run_dir``.
         ValueError: the run logged several tracked metrics and ``metric`` does not choose one.
     """
     csv_path = find_metrics_csv(run_dir)
-    rows = read_run_metrics(csv_path)
+    rows = read_run_metrics(csv_path, allow_truncated=allow_truncated)
+    cut = tensorboard.find_truncated(csv_path) if csv_path.is_dir() else []
     if not any(key.startswith(PREFIX) for row in rows for key in row):
         raise ReportError(
             f"{csv_path} holds no {PREFIX}... columns: it is not the log of a run trained with PinCallback "
@@ -605,7 +688,7 @@ def report_from_csv(
     modules = list(dict.fromkeys(k[len(groups_prefix) :] for row in rows for k in row if k.startswith(groups_prefix)))
     pinned = last(f"{PREFIX}pinned_elements")
     trainable = last(f"{PREFIX}trainable_elements")
-    return make_report(
+    report = make_report(
         metric=metric,
         higher_is_better=bool(higher_is_better),
         tolerance=float(tolerance),
@@ -620,6 +703,9 @@ def report_from_csv(
         pinned_elements=int(pinned if pinned is not None else existing.get("pinned_elements", 0)),
         trainable_elements=int(trainable) if trainable is not None else existing.get("trainable_elements"),
     )
+    if cut:
+        report["truncated"] = [{"file": str(c.path), "last_step": c.last_step} for c in cut]
+    return report
 
 
 #: Columns that hold counts (besides ``step``).

@@ -7,8 +7,10 @@ installs it), so ``lightning_logs/version_0`` of a plain ``Trainer`` run holds e
 
 from __future__ import annotations
 
+import dataclasses
+import struct
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 #: How TensorBoard names its event files.
 EVENTS_GLOB = "events.out.tfevents.*"
@@ -16,6 +18,68 @@ EVENTS_GLOB = "events.out.tfevents.*"
 
 class TensorBoardMissing(ImportError):
     """The run logged to TensorBoard, and the ``tensorboard`` package is not installed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Truncated:
+    """An event file that ends inside a record: the run was cut (killed, disk full) or is still writing."""
+
+    path: Path
+    #: The last step of a scalar in the file's complete records (None: no scalar before the cut).
+    last_step: Optional[int]
+    #: Where the last complete record ends, and the file's size.
+    complete_bytes: int
+    size: int
+
+    def describe(self) -> str:
+        read = f"after step {self.last_step}" if self.last_step is not None else "before its first scalar"
+        return (f"{self.path} is truncated {read}: it ends inside a record (its complete records end at byte "
+                f"{self.complete_bytes:,} of {self.size:,}); the run was cut, or is still writing")
+
+
+#: A TFRecord: an 8-byte length and its 4-byte CRC, the data, and the data's 4-byte CRC.
+_HEADER, _FOOTER = 12, 4
+
+
+def find_truncated(directory: Union[str, Path]) -> list[Truncated]:
+    """The event files in ``directory`` that end inside a record (TensorBoard's reader stops there silently).
+
+    Walks each file's record framing; the steps come from the complete records' events.
+
+    Raises:
+        TensorBoardMissing: ``tensorboard`` is not installed (it parses the events).
+    """
+    try:
+        from tensorboard.compat.proto.event_pb2 import Event
+    except ImportError as err:
+        raise TensorBoardMissing(
+            f"{directory} holds TensorBoard event files; reading them needs tensorboard "
+            "(pip install tensorboard, or pip install 'lightning-pin[app]')"
+        ) from err
+    found = []
+    for path in sorted(Path(directory).glob(EVENTS_GLOB)):
+        size = path.stat().st_size
+        offset, last_step = 0, None
+        # Record by record (an event file can hold images and histograms: never all of it in memory).
+        with open(path, "rb") as file:
+            while offset < size:
+                header = file.read(_HEADER)
+                if len(header) < _HEADER:
+                    break
+                length = struct.unpack_from("<Q", header)[0]
+                if offset + _HEADER + length + _FOOTER > size:
+                    break
+                try:
+                    event = Event.FromString(file.read(length))
+                except Exception:  # noqa: BLE001  (a damaged record: the file holds nothing readable after it)
+                    break
+                file.seek(_FOOTER, 1)
+                if event.HasField("summary") and len(event.summary.value):
+                    last_step = int(event.step) if last_step is None else max(last_step, int(event.step))
+                offset += _HEADER + length + _FOOTER
+        if offset < size:
+            found.append(Truncated(path, last_step, offset, size))
+    return found
 
 
 def has_events(directory: Union[str, Path]) -> bool:

@@ -1,0 +1,55 @@
+"""README commands that must work where the README puts them: `lightning-pin report` right after `make demo`
+(the app's runs are under outputs/), and the "Installed as a package" install, which must give up on an
+unreachable CPU index within seconds and fall back to the default one."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_train_app import TINY, run
+
+from lightning_pin import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def bash_blocks() -> list[str]:
+    return [m.group(1) for m in re.finditer(r"^```bash\n(.*?)^```$", README, re.M | re.S)]
+
+
+def test_report_right_after_the_demo_reads_the_demos_run(tmp_path, fork_runner, monkeypatch, capsys):
+    # make demo is `python -m lightning_pin.train`: its run goes to outputs/<date>/<time>/ of the directory it runs in.
+    demo = run([sys.executable, "-m", "lightning_pin.train", *TINY], cwd=tmp_path, runner=fork_runner)
+    assert demo.returncode == 0, demo.output
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    (line,) = [line for block in bash_blocks() for line in block.splitlines() if line.startswith("lightning-pin report")]
+    command = shlex.split(line.split("#")[0])
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(command[1:]) == 0, capsys.readouterr().err
+    rebuilt = json.loads(next((tmp_path / "outputs").rglob("csv/pinned/pin_report.json")).read_text())
+    assert rebuilt["final"] == json.loads((run_dir / "run_summary.json").read_text())["final"]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_the_package_install_falls_back_to_the_default_index_when_the_cpu_one_is_unreachable(tmp_path):
+    start = README.index("Installed as a package instead")
+    (block,) = [b for b in bash_blocks() if README.index(b) > start][:1]
+    # pip stands in for the real one: the CPU index cannot be reached, every other install succeeds.
+    stub = 'pip() { echo "$*" >> calls; case "$*" in *whl/cpu*) return 1;; esac; }\n'
+    result = subprocess.run(["bash", "-e", "-c", stub + block], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == 3, calls
+    assert "--timeout 5 --retries 0" in calls[0] and "https://download.pytorch.org/whl/cpu" in calls[0]
+    assert calls[1] == "install torch" and calls[2] == "install .[app]"
+    # The same short timeout and no retries as `make install`'s probe.
+    assert "--timeout 5 --retries 0" in (ROOT / "Makefile").read_text()
