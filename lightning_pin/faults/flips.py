@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_pin.core import kinds
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import resolve
 from lightning_pin.core.spec import Pin
@@ -137,14 +138,11 @@ def forced_patch(module: nn.Module, pins: Sequence[Pin], *,
                 if selection.index is None
                 else selection.index.to(device=words.device, dtype=torch.int64)
             )
-            if selection.kind == "stuck_bits":
-                changes[name] = (parameter, index, _stuck(selection.stuck_at_zero, selection.stuck_at_one, words.dtype))
-            elif selection.kind == "value" and selection.values is not None:
-                value = selection.values.reshape(-1).to(parameter.dtype).expand(index.numel()).contiguous()
-                new = value.view(words.dtype)
-                changes[name] = (parameter, index, lambda old, new=new: new)
-            else:
+            # The words the fault leaves, as its kind says (values and stuck bits fix them; bounds do not).
+            rewrite = kinds.of(selection.kind).word_rewrite(selection, words.dtype, index.numel())
+            if rewrite is None:
                 raise PinError(f"forced_patch: {resolved.pin!r} is not a value or stuck-bit fault")
+            changes[name] = (parameter, index, rewrite)
     return WordPatch(changes)
 
 

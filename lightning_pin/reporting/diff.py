@@ -17,11 +17,12 @@ from typing import Any, Optional, Union
 
 from torch import Tensor
 
+from lightning_pin.core import kinds
+
 # The one tensor-file reader (weights_only=True), also offered here: `lightning-pin diff` reads with it.
 from lightning_pin.core.io import TensorFileError, load_checkpoint, load_tensors
 from lightning_pin.core.state import PinState, SavedSelection, find_pin_states
 from lightning_pin.reporting import check as _check
-from lightning_pin.reporting.compare import bounds_off, stuck_bits_off
 from lightning_pin.reporting.compare import differs as _differs
 from lightning_pin.reporting.compare import select as _select
 from lightning_pin.reporting.tables import Column, print_table
@@ -67,8 +68,9 @@ class PinCheck:
     #: Pinned elements whose value differs between A and B (None without A's tensor).
     changed: Optional[int]
     active: bool
-    #: ``"value"``, ``"stuck_bits"`` or ``"bounds"``: what the pin holds.
-    kind: str = "value"
+    #: The name of what the pin holds (``"value"``, ``"stuck_bits"``, ``"bounds"``: its kind, see
+    #: :mod:`lightning_pin.core.kinds`).
+    kind: str = kinds.DEFAULT.kind
     #: Why ``off_target`` is None for an active pin.
     problem: Optional[str] = None
     #: The first off-target elements, at their coordinates in B's tensor, as ``lightning-pin check`` names them.
@@ -219,11 +221,13 @@ def _check_pins(
             changed = None
             if ta is not None and tb is not None and ta.shape == tb.shape:
                 changed = int(_differs(_select(ta, index), _select(tb, index)).sum())
-            if entry.kind != "value":
+            kind = kinds.of(entry.kind)
+            if not kind.frozen:  # stuck bits, bounds, ...: the kind compares the stored tensor
                 off, problem = _fault_off(tb, entry)
                 shown = _shown(tb, [], [(pin_id, entry)]) if off else ()
+                told = kind.stored_dtype(entry)
                 checks.append(PinCheck(key, pin_id, name, elements, off, changed, pin_id in active, entry.kind,
-                                       problem, shown, _dtype(tb), _dtype(entry.stuck_at_zero)))
+                                       problem, shown, _dtype(tb), None if told is None else _name(told)))
                 continue
             if target is None:
                 # A pin with value=None that never activated has no target yet.
@@ -247,30 +251,28 @@ def _shown(tensor: Optional[Tensor], entries: Any, faults: Any) -> tuple[_check.
 
 
 def _dtype(tensor: Optional[Tensor]) -> Optional[str]:
-    return None if tensor is None else str(tensor.dtype).replace("torch.", "")
+    return None if tensor is None else _name(tensor.dtype)
+
+
+def _name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _fault_off(tensor: Optional[Tensor], entry: SavedSelection) -> tuple[Optional[int], Optional[str]]:
-    """Elements of a stuck-bit or bounds pin off target in ``tensor``, or None and why not comparable."""
-    if entry.kind == "stuck_bits":
-        first, second = entry.stuck_at_zero, entry.stuck_at_one
-    else:
-        first, second = entry.low, entry.high
-    assert first is not None and second is not None  # the state reader checked them
+    """Elements of a pin of a kind other than values (stuck bits, bounds) off target in ``tensor``,
+    or None and why not comparable: the kind compares (see ``Kind.stored_off``)."""
     if tensor is None:
         return None, "parameter missing in B"
     index = entry.index
+    first = next(iter(entry.payload.values()))  # the state reader checked the payload's shapes
     expected_shape = tuple(tensor.shape) if index is None else (index.numel(),)
     outside = index is not None and index.numel() and int(index.max()) >= tensor.numel()
     if tuple(first.shape) != expected_shape or outside:
         return None, "parameter reshaped in B"
-    values = _select(tensor, index)
-    if entry.kind == "bounds":
-        return int(bounds_off(values, first.reshape(-1), second.reshape(-1)).sum()), None
-    off = stuck_bits_off(values, first.reshape(-1), second.reshape(-1))
-    if off is None:
-        width = 8 * first.element_size()
-        return None, f"stored as {tensor.dtype} in B: stuck bits of a {width}-bit word cannot be read there"
+    try:
+        off, _ = kinds.of(entry.kind).stored_off(_select(tensor, index), entry)
+    except kinds.Unreadable as err:
+        return None, f"stored as {tensor.dtype} in B: {err.what} of {err.word} cannot be read there"
     return int(off.sum()), None
 
 
@@ -335,7 +337,7 @@ def _pin_lines(diff: CheckpointDiff) -> list[tuple[str, Optional[bool]]]:
         if c.state_key != state_key:
             state_key = c.state_key
             lines.append((f"  {state_key}", None))
-        kind = {"stuck_bits": ", stuck bits", "bounds": ", bounds"}.get(c.kind, "")
+        kind = "" if kinds.of(c.kind).frozen else f", {kinds.of(c.kind).words}"
         where = f"    pin {c.pin} on {c.name} ({c.elements:,} elements{kind})"
         if not c.active:
             lines.append((f"{where}: not active at the last step, not checked", None))

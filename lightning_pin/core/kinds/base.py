@@ -242,6 +242,18 @@ class Kind:
         """Refuse merged entries that cannot hold together (``element(row)``: its words)."""
 
     # ------------------------------------------------------------------------------------
+    # Forced faults (lightning_pin.faults.flips: the faulty words written without training)
+
+    @classmethod
+    def word_rewrite(
+        cls, selection: Selection, word: torch.dtype, count: int
+    ) -> Optional[Callable[[Tensor], Tensor]]:
+        """``rewrite(old_words) -> new_words`` for the ``count`` selected elements, as integer words
+        of dtype ``word``: the stored words once the fault is forced; None when the kind fixes no
+        word (an interval leaves the element free inside it)."""
+        return None
+
+    # ------------------------------------------------------------------------------------
     # Words
 
     @classmethod

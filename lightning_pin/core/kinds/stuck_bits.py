@@ -224,6 +224,18 @@ class StuckBits(Kind):
                 f"save_fault_map: {element(at)} has bits {int(zero[at] & one[at]):#x} stuck at zero and at one"
             )
 
+    @classmethod
+    def word_rewrite(
+        cls, selection: Selection, word: torch.dtype, count: int
+    ) -> Optional[Callable[[Tensor], Tensor]]:
+        zero, one = selection.payload["stuck_at_zero"], selection.payload["stuck_at_one"]
+
+        def rewrite(old: Tensor) -> Tensor:
+            new = old & ~zero.reshape(-1).to(device=old.device, dtype=word)
+            return (new | one.reshape(-1).to(device=old.device, dtype=word)).to(old.dtype)
+
+        return rewrite
+
     # ------------------------------------------------------------------------------------
     # The restore kernel
 

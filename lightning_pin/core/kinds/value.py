@@ -183,6 +183,16 @@ class ExactValue(Kind):
         merge_rounds(target, at, given, agree)
 
     @classmethod
+    def word_rewrite(
+        cls, selection: Selection, word: torch.dtype, count: int
+    ) -> Optional[Callable[[Tensor], Tensor]]:
+        if selection.values is None:
+            return None  # captured when the pin activates: no word yet
+        value = selection.values.reshape(-1).to(selection.parameter.dtype).expand(count).contiguous()
+        new = value.view(word)
+        return lambda old: new
+
+    @classmethod
     def show_example(cls, coords: tuple[int, ...], actual: Any, expected: Any) -> str:
         return f"{coords}: {actual!r} != {expected!r}"
 
