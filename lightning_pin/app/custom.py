@@ -253,8 +253,13 @@ def work_dir_of(cfg: DictConfig) -> Optional[str]:
     return str(value) if value else None
 
 
-def build_model(cfg: DictConfig, optimizer: Any = None, work_dir: Optional[str] = None) -> BuiltModel:
+def build_model(
+    cfg: DictConfig, optimizer: Any = None, work_dir: Optional[str] = None, announce: bool = True
+) -> BuiltModel:
     """The model of ``cfg.model``, given ``optimizer`` (a partial) when it takes one.
+
+    ``announce``: say in one line (a warning) that a model with its own ``configure_optimizers``
+    does not use the ``optimizer`` group.
 
     Raises:
         ConfigError: ``model._target_`` is missing, cannot be imported, refuses a key, misses a required
@@ -296,10 +301,11 @@ def build_model(cfg: DictConfig, optimizer: Any = None, work_dir: Optional[str] 
     check_keys(built, node, "model", target)
     model = _build(lambda: instantiate(node, _convert_="all"), target)
     if isinstance(model, pl.LightningModule):
-        log.warning(
-            f"model={target} has its own configure_optimizers: the optimizer group and any optimizer.* override "
-            "are not used"
-        )
+        if announce:
+            log.warning(
+                f"model={target} has its own configure_optimizers: the optimizer group and any optimizer.* "
+                "override are not used"
+            )
         return BuiltModel(model, "own_optimizer", target, OWN_OPTIMIZER)
     if isinstance(model, torch.nn.Module):
         return BuiltModel(Classifier(model, optimizer=optimizer), "module", target, optimizer_name)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -56,6 +57,8 @@ class Study:
     jobs: int = 1
     out: Optional[str] = None
     overrides: tuple[str, ...] = ()
+    #: A config directory of your own (``--config-dir``): DIR/model/NAME.yaml, DIR/data/NAME.yaml.
+    config_dir: Optional[str] = None
 
     def check(self) -> None:
         """Raise StudyError naming the first bad argument."""
@@ -135,7 +138,7 @@ def run_study(study: Study) -> int:
 
     if study.per_layer:
         rate = study.layer_rate if study.layer_rate is not None else max(study.rates)
-        names = _param_names(study.overrides, ckpt)
+        names = _param_names(study.overrides, ckpt, study.config_dir)
         sweep = ["pin=faults", f"pin.kind={study.kind}", f"pin.rate={rate!r}", f"pin.seed={_seeds(study)}",
                  "pin.params=" + ",".join(names)]
         subdir = "${pin.params}_seed${pin.seed}"
@@ -216,7 +219,7 @@ def _baseline(study: Study, out: Path, log_path: Path) -> Optional[str]:
             from lightning_pin.app.compose import compose_app
             from lightning_pin.app.train import run
 
-            run(compose_app(overrides, directory))
+            run(compose_app(overrides, directory, config_dir=study.config_dir))
         except Exception:  # the log gets the traceback; the terminal its end
             traceback.print_exc()
     if not ckpt.is_file():
@@ -230,13 +233,16 @@ def _multirun(study: Study, sweep_dir: Path, subdir: str, sweep: Sequence[str], 
     """Run the jobs through Hydra's multirun, with a progress bar over them; False when it failed."""
     sweep_dir = sweep_dir.resolve()
     launcher = ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={study.jobs}"] if study.jobs > 1 else []
-    args = _app(["-m", *study.overrides, *sweep, f"ckpt_path={ckpt}", "skip_finished=true",
+    config_dir = ["--config-dir", study.config_dir] if study.config_dir else []
+    args = _app([*config_dir, "-m", *study.overrides, *sweep, f"ckpt_path={ckpt}", "skip_finished=true",
                  f"hydra.sweep.dir={sweep_dir}", f"hydra.sweep.subdir={subdir}", *launcher])
+    # Your model's module imports from the directory the study was started in, in every job process.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     before = _finished(sweep_dir, expected)
     with open(log_path, "a") as log:
         log.write(f"$ {' '.join(args)}\n")
         log.flush()
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
         with _Progress(what, len(expected), skipped=before) as bar:
             while process.poll() is None:
                 bar.update(_finished(sweep_dir, expected))
@@ -269,23 +275,29 @@ def _rows(sweep_dir: Path, study: Study, wanted: set[tuple], by_param: bool) -> 
     return report.sort_rows(rows, "param" if by_param else "rate")
 
 
-def _param_names(overrides: Sequence[str], ckpt: str) -> list[str]:
+def _param_names(overrides: Sequence[str], ckpt: str, config_dir: Optional[str] = None) -> list[str]:
     """The parameters ``pin.params`` matches, read from the composed config and the baseline checkpoint."""
     from fnmatch import fnmatchcase
 
     import torch
     from hydra import compose, initialize_config_dir
 
+    from lightning_pin.app.compose import with_config_dir
     from lightning_pin.app.config import register_configs
+    from lightning_pin.app.custom import WEIGHTS_2D
     from lightning_pin.app.train import CONFIG_DIR
 
     register_configs()
-    keep = [o for o in overrides if not o.startswith("hydra")]
+    keep = [o for o in overrides if not o.startswith("hydra") or o.startswith("hydra.searchpath")]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=[*keep, "pin=faults"])
+        cfg = compose("train", overrides=with_config_dir([*keep, "pin=faults"], config_dir))
     patterns = cfg.pin.params if not isinstance(cfg.pin.params, str) else [cfg.pin.params]
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    names = list(state.get("state_dict", state))
+    state = state.get("state_dict", state)
+    names = list(state)
+    if WEIGHTS_2D in patterns:  # a model of your own: every *.weight with two or more dimensions
+        patterns = [p for p in patterns if p != WEIGHTS_2D]
+        patterns += [n for n in names if n.endswith(".weight") and getattr(state[n], "ndim", 0) >= 2]
 
     def matches(name: str, pattern: str) -> bool:
         return re.fullmatch(pattern[3:], name) is not None if pattern.startswith("re:") else fnmatchcase(name, pattern)

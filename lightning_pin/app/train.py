@@ -437,6 +437,7 @@ def make_summary(
     if built is not None and built.custom:
         # A model of your own: the summary names what ran (the class, not the option "custom").
         choices["model"] = targets["model"]
+        choices.setdefault("optimizer", targets["optimizer"])  # composed without Hydra's choices (tune)
         groups = ("model", "data", "optimizer", "pin", "trainer", "experiment")
     if not is_app_data(cfg):
         choices["data"] = targets["data"]
