@@ -71,6 +71,8 @@ register_configs()
 
 # The data sets live in memory: loader workers would only add start-up time.
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
+# Small data sets of your own have epochs shorter than Lightning's logging interval; the app logs what it reports.
+warnings.filterwarnings("ignore", ".*is smaller than the logging interval.*")
 # Lightning 2.6 calls a torch pytree API that newer torch deprecates; nothing the user can act on.
 warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\).*")
 
@@ -497,8 +499,10 @@ def print_summary(summary: dict[str, Any]) -> None:
     of_trainable = f" of {trainable:,} trainable elements" if trainable else ""
     lines = [f"lightning-pin: {choices or 'run'}", f"  pinned    {summary['pinned_elements'] or 0:,}{of_trainable}"]
     if summary.get("baseline") is not None:
+        # The app's classifier: "accuracy"; a metric your model logs: its name (val_loss, val/f1).
+        label = "accuracy" if summary.get("metric") in (None, "accuracy") else summary["metric"]
         lines.append(
-            f"  accuracy  baseline {_fmt(summary['baseline'])}  forced {_fmt(summary['forced'])}  "
+            f"  {label:<8}  baseline {_fmt(summary['baseline'])}  forced {_fmt(summary['forced'])}  "
             f"final {_fmt(summary['final'])}  (gap to baseline {summary['gap']:+.3f}, {_recovery(summary)})"
         )
     lines.append(
