@@ -5,9 +5,9 @@
     lightning-pin diff A.ckpt B.ckpt    # what changed between two checkpoints; do saved pins hold in B?
     lightning-pin check PINNED FILE...  # do the saved pins hold in exported models?
     lightning-pin export RUN_DIR --to model.safetensors|model.onnx   # an app run's pinned model, exported
-    lightning-pin faults [--kind K] [--rates R1,R2] [--seeds N] [--jobs J] [--out DIR] [OVERRIDES]
+    lightning-pin faults [--kind K] [--rates R1,R2] [--seeds N] [--jobs J] [--out DIR] [--config-dir DIR] [OVERRIDES]
                                         # accuracy against the fault rate, forced and retrained (a study)
-    lightning-pin tune [--trials N] [--param KEY=SPEC] [--objectives final:max,...] [OVERRIDES]
+    lightning-pin tune [--trials N] [--param KEY=SPEC] [--objectives final:max,...] [--config-dir DIR] [OVERRIDES]
                                         # Optuna >= 3 over the app (SQLite, pruning, NSGA-II Pareto front)
 
 
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train",
         help=SUMMARIES["train"] + " (Hydra overrides follow)",
-        description="Same as python -m lightning_pin.train; see `lightning-pin train --help` for Hydra's help.",
+        description="Same as python -m lightning_pin.train (--config-dir DIR adds your config directory); see "
+        "`lightning-pin train --help` for Hydra's help.",
     )
     train.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides, -m for a multirun, --cfg job, ...")
 

@@ -128,7 +128,8 @@ def assert_fraction_pins_hold(run_dir: Path, expected: dict[str, int]) -> None:
 
 
 def test_the_readme_commands_run_as_written_from_the_users_directory(project, user_module):
-    lines = [line for block in fenced("bash") for line in block.splitlines() if "mymodels" in line or "myconf" in line]
+    blocks = [block for block in fenced("bash") if "mymodels" in block or "myconf" in block]
+    lines = [line for block in blocks for line in block.splitlines() if line.strip()]
     assert len(lines) == 9, lines  # the two blocks of the section that use your module
     outputs = {}
     for line in lines:
@@ -536,9 +537,14 @@ class LitModule(L.LightningModule):  # the template's MNISTLitModule, in small
 """,
     "src/train.py": """
 # The template's src/train.py, in small: instantiate data, model, every callback node, trainer; fit.
+import sys
+from pathlib import Path
+
 import hydra
 import torch
 from hydra.utils import instantiate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # what the template's rootutils.setup_root does
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train")
