@@ -287,7 +287,8 @@ def test_an_unimportable_target_is_one_line_from_the_console_script(project):
     result = console("lightning-pin train model=custom model._target_=mymodels.Missing " + " ".join(DATA), project)
     assert result.returncode == 1
     line = one_line_error(result)
-    assert line == f"ConfigError: model._target_=mymodels.Missing: mymodels ({project / 'mymodels.py'}) has no 'Missing'"
+    where = project / "mymodels.py"
+    assert line == f"ConfigError: model._target_=mymodels.Missing: mymodels ({where}) has no 'Missing'"
     result = console("lightning-pin train data=custom data._target_=nowhere.Data", project)
     line = one_line_error(result)
     assert "data._target_=nowhere.Data: no module 'nowhere'" in line and str(project) in line
@@ -410,7 +411,8 @@ def test_without_a_working_torchvision_the_recipe_says_so_in_one_line(tmp_path):
         pytest.skip("torchvision loads here: the recipe runs in the next test")
     from lightning_pin.app.train import run
 
-    with pytest.raises(ImportError, match=r"model=torchvision needs torchvision built for torch .*lightning-pin\[vision\]"):
+    says = r"model=torchvision needs torchvision built for torch .*lightning-pin\[vision\]"
+    with pytest.raises(ImportError, match=says):
         run(compose(tmp_path, "model=torchvision", "model.name=resnet18", *TINY))
 
 

@@ -40,7 +40,9 @@ def with_config_dir(overrides: Sequence[str], config_dir: Optional[Union[str, Pa
     return [*overrides, f"{SEARCHPATH}=[{entry}]"]
 
 
-def compose_app(overrides: Sequence[str], output_dir: Path, config_dir: Optional[Union[str, Path]] = None) -> DictConfig:
+def compose_app(
+    overrides: Sequence[str], output_dir: Path, config_dir: Optional[Union[str, Path]] = None
+) -> DictConfig:
     """``conf/train.yaml`` with ``overrides``, writing into ``output_dir``; ``config_dir`` joins the search path.
 
     Raises:

@@ -132,21 +132,21 @@ def locate(target: Any, key: str, work_dir: Optional[str] = None) -> Any:
         ConfigError: one line naming the key, the target and where it looked.
     """
     if not isinstance(target, str) or not target or "." not in target.strip("."):
-        raise ConfigError(f"{key}._target_={target!r}: give the import path of a class, e.g. {key}._target_=mymodels.MyNet")
+        raise ConfigError(
+            f"{key}._target_={target!r}: give the import path of a class, e.g. {key}._target_=mymodels.MyNet"
+        )
     importable(work_dir)
     where = os.path.abspath(work_dir or os.getcwd())
     parts = target.split(".")
     try:
         found: Any = importlib.import_module(parts[0])
-    except ModuleNotFoundError as err:
-        if err.name == parts[0]:
+    except Exception as err:
+        if isinstance(err, ModuleNotFoundError) and err.name == parts[0]:
             raise ConfigError(
                 f"{key}._target_={target}: no module {parts[0]!r} in {where} (the current directory) nor on the "
                 f"Python path: run from the directory that holds {parts[0]}.py, or install it"
             ) from None
-        raise ConfigError(f"{key}._target_={target}: importing {parts[0]} failed: {type(err).__name__}: {err}") from None
-    except Exception as err:
-        raise ConfigError(f"{key}._target_={target}: importing {parts[0]} failed: {type(err).__name__}: {err}") from None
+        raise ConfigError(f"{key}._target_={target}: importing {parts[0]} failed: {_one_line(err)}") from None
     for depth in range(1, len(parts)):
         name = parts[depth]
         if hasattr(found, name):
@@ -162,8 +162,12 @@ def locate(target: Any, key: str, work_dir: Optional[str] = None) -> Any:
             source = getattr(found, "__file__", None) or where
             raise ConfigError(f"{key}._target_={target}: {holder} ({source}) has no {name!r}") from None
         except Exception as err:
-            raise ConfigError(f"{key}._target_={target}: importing {module} failed: {type(err).__name__}: {err}") from None
+            raise ConfigError(f"{key}._target_={target}: importing {module} failed: {_one_line(err)}") from None
     return found
+
+
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
 
 
 def _signature(obj: Any) -> Optional[inspect.Signature]:

@@ -117,7 +117,9 @@ class LoggedMetricMonitor(PinMonitor):
             ``metric``.
     """
 
-    def __init__(self, metric: str = "val_acc", mode: str = "max", model_name: str = "the model", **kwargs: Any) -> None:
+    def __init__(
+        self, metric: str = "val_acc", mode: str = "max", model_name: str = "the model", **kwargs: Any
+    ) -> None:
         check_mode(metric, mode)
         kwargs.update(accuracy=True, name=metric, higher_is_better=mode == "max")
         super().__init__(**kwargs)

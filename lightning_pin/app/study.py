@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -236,13 +235,11 @@ def _multirun(study: Study, sweep_dir: Path, subdir: str, sweep: Sequence[str], 
     config_dir = ["--config-dir", study.config_dir] if study.config_dir else []
     args = _app([*config_dir, "-m", *study.overrides, *sweep, f"ckpt_path={ckpt}", "skip_finished=true",
                  f"hydra.sweep.dir={sweep_dir}", f"hydra.sweep.subdir={subdir}", *launcher])
-    # Your model's module imports from the directory the study was started in, in every job process.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     before = _finished(sweep_dir, expected)
     with open(log_path, "a") as log:
         log.write(f"$ {' '.join(args)}\n")
         log.flush()
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         with _Progress(what, len(expected), skipped=before) as bar:
             while process.poll() is None:
                 bar.update(_finished(sweep_dir, expected))
