@@ -332,6 +332,12 @@ def test_tune_and_faults_errors_are_one_line(project, fork_runner):
     assert result.stderr.strip() == (
         f"lightning-pin tune: error: model._target_=mymodels.Nope: mymodels ({project / 'mymodels.py'}) has no 'Nope'"
     )
+    result = forked(fork_runner, "lightning_pin.cli", "faults", "--rates", "0,0.2", "--seeds", "1", "--out",
+                    str(project / "f"), "model=custom", "model._target_=mymodels.TinyNet", "+model.width=3", cwd=project)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(
+        "lightning-pin faults: error: model._target_=mymodels.TinyNet takes no argument 'width' (model.width; "
+    ) and result.stderr.count("\n") == 1
     for command in ("tune", "faults"):
         result = forked(fork_runner, "lightning_pin.cli", command, "--config-dir", "nothere", "model=own", cwd=project)
         assert result.returncode == 2

@@ -212,6 +212,9 @@ def _baseline(study: Study, out: Path, log_path: Path) -> Optional[str]:
     print("baseline: pretraining once ...", flush=True)
     # Rate 0 pins nothing (an experiment's pin options still apply, and a bad pin.params fails here).
     overrides = [*study.overrides, "pin=faults", "pin.rate=0.0", "pretrain.only=true"]
+    from lightning_pin.app.custom import ConfigError
+
+    refused: Optional[ConfigError] = None
     with open(log_path, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         print(f"baseline (in process): {' '.join(overrides)}", flush=True)
         try:
@@ -219,8 +222,13 @@ def _baseline(study: Study, out: Path, log_path: Path) -> Optional[str]:
             from lightning_pin.app.train import run
 
             run(compose_app(overrides, directory, config_dir=study.config_dir))
+        except ConfigError as err:  # your model's or data's target, or its metric: one line (exit 2)
+            print(f"ConfigError: {err}", flush=True)
+            refused = err
         except Exception:  # the log gets the traceback; the terminal its end
             traceback.print_exc()
+    if refused is not None:
+        raise StudyError(str(refused))
     if not ckpt.is_file():
         _show_failure(log_path, "the baseline's pretraining failed")
         return None
