@@ -367,11 +367,8 @@ def _compose(study: Study, overrides: Sequence[str], output_dir: Path) -> Any:
     from lightning_pin.app.compose import compose_app
     from lightning_pin.app.train import check_lengths
 
-    extra = []
-    if study.config_dir is not None:
-        extra = [f"hydra.searchpath=[file://{Path(study.config_dir).resolve()}]"]
     try:
-        cfg = compose_app([*overrides, *extra], output_dir.resolve())
+        cfg = compose_app(overrides, output_dir.resolve(), config_dir=study.config_dir)
         check_lengths(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as err:
         message = " ".join(str(err).split()) or type(err).__name__
@@ -466,7 +463,7 @@ def _baseline(study: Study, out: Path, log_path: Path, progress: Progress) -> Op
     directory.mkdir(parents=True, exist_ok=True)
     with progress.stage("baseline: pretraining once"):
         with _single_threaded(_forking(study)):
-            status = _in_process(cfg, log_path)
+            status = _in_process(cfg, log_path, refuse=True)
     if status != 0 or not ckpt.is_file():
         _show_failure(log_path, "the baseline's pretraining failed")
         return None
@@ -618,8 +615,10 @@ def _app_logging() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _in_process(cfg: Any, log_path: Path) -> int:
-    """Run one app job here, its output into ``log_path``; the exit status (1: it raised, traceback in the log)."""
+def _in_process(cfg: Any, log_path: Path, refuse: bool = False) -> int:
+    """Run one app job here, its output into ``log_path``; the exit status (1: it raised, traceback in the log).
+    ``refuse``: a target or metric of the user's that the app refuses (``ConfigError``) is a StudyError instead."""
+    from lightning_pin.app.custom import ConfigError
     from lightning_pin.app.train import run
 
     with _redirected(log_path), _app_logging():
@@ -627,6 +626,11 @@ def _in_process(cfg: Any, log_path: Path) -> int:
               f"into {cfg.paths.output_dir}", flush=True)
         try:
             run(cfg)
+        except ConfigError as err:  # your model's or data's target, or its metric: one line, exit 2
+            print(f"ConfigError: {err}", flush=True)
+            if refuse:
+                raise StudyError(str(err)) from None
+            return 1
         except Exception:
             traceback.print_exc()
             return 1
@@ -766,9 +770,15 @@ def _param_names(template: Any, ckpt: str) -> list[str]:
 
     import torch
 
+    from lightning_pin.app.custom import WEIGHTS_2D
+
     patterns = template.pin.params if not isinstance(template.pin.params, str) else [template.pin.params]
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    names = list(state.get("state_dict", state))
+    state = state.get("state_dict", state)
+    names = list(state)
+    if WEIGHTS_2D in patterns:  # a model of your own: every *.weight with two or more dimensions
+        patterns = [p for p in patterns if p != WEIGHTS_2D]
+        patterns += [n for n in names if n.endswith(".weight") and getattr(state[n], "ndim", 0) >= 2]
 
     def matches(name: str, pattern: str) -> bool:
         return re.fullmatch(pattern[3:], name) is not None if pattern.startswith("re:") else fnmatchcase(name, pattern)
