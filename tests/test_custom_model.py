@@ -230,6 +230,24 @@ def test_faults_on_each_kind(kind, project, fork_runner):
     assert job["fault"]["params"] == WEIGHTS_2D and job["targets"]["model"] == f"mymodels.{CLASSES[kind]}"
 
 
+def test_a_test_time_campaign_on_your_model_restores_its_weights_and_names_the_metric_it_measures(project, fork_runner):
+    out = project / "flips"
+    result = forked(fork_runner, "lightning_pin.cli", "faults", "--kind", "flip", "--rates", "0,0.01", "--seeds", "2",
+                    "--out", str(out), *KINDS["c"], *DATA, *TINY, cwd=project)
+    assert result.returncode == 0, result.output[-3000:]
+    rows = list(csv.DictReader((out / "fault_curve.csv").open()))
+    assert [(r["rate"], r["final"]) for r in rows] == [("0.0", ""), ("0.0", ""), ("0.01", ""), ("0.01", "")]
+    assert all(r["forced"] == rows[0]["baseline"] for r in rows[:2])  # rate 0 flips nothing
+    assert int(rows[2]["changed_bits"]) > 0 and int(rows[3]["changed_bits"]) > 0
+    # Top-1 accuracy is what a test-time campaign measures: another metric is refused before any work.
+    result = forked(fork_runner, "lightning_pin.cli", "faults", "--no-retrain", "--rates", "0,0.2", "--seeds", "1",
+                    "--out", str(project / "loss"), *KINDS["a"], *DATA, *TINY, "metric=val_loss", "metric_mode=min",
+                    cwd=project)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.output[-3000:]
+    assert "--no-retrain measures top-1 accuracy of the model's outputs, not metric=val_loss" in result.stderr
+    assert not (project / "loss" / "baseline").exists()
+
+
 def test_faults_and_tune_take_a_config_directory(project, fork_runner):
     out = project / "study"
     result = forked(fork_runner, "lightning_pin.cli", "faults", "--config-dir", "myconf", "--rates", "0,0.2",

@@ -195,6 +195,10 @@ def _run(study: Study, out: Path, progress: "Progress") -> int:
         from lightning_pin.app import train  # noqa: F401  (the imports every job shares)
     with progress.stage("composing the job config"):
         template = _compose(study, _compose_overrides(study), out / JOBS_DIR / "template")
+    measured = (template.get("metric", "val_acc"), template.get("metric_mode", "max"))
+    if study.no_retrain and measured != ("val_acc", "max"):
+        raise StudyError(f"--no-retrain measures top-1 accuracy of the model's outputs, not metric={template.metric} "
+                         f"(metric_mode={template.metric_mode}): drop --no-retrain, or measure val_acc")
     out.mkdir(parents=True, exist_ok=True)
     _claim(out, study)
     log_path = out / LOG
@@ -804,6 +808,7 @@ class ForcedCampaign:
         import torch
         from hydra.utils import instantiate
 
+        from lightning_pin.app.custom import build_datamodule, build_model, expand_params
         from lightning_pin.app.train import load_weights
 
         self.template, self.ckpt, self.progress = template, ckpt, progress
@@ -812,7 +817,8 @@ class ForcedCampaign:
         #: The study's overrides, for the rows' ``recipe`` column.
         self.recipe = ""
         optimizer = instantiate(template.optimizer, _convert_="all")
-        self.model = instantiate(template.model, _partial_=True, _convert_="all")(optimizer=optimizer)
+        # Built as the app's jobs build it: a model of your own (any of the three kinds) and your data too.
+        self.model = build_model(template, optimizer, announce=False).model
         load_weights(self.model, ckpt)
         self.model.eval()
         self._reference = {n: p.detach().clone() for n, p in self.model.named_parameters()}
@@ -820,7 +826,7 @@ class ForcedCampaign:
         self.sizes = {n: p.numel() for n, p in self.model.named_parameters()}
         self.batches: list[Any] = []
         if evaluate:
-            datamodule = instantiate(template.data, _convert_="all")
+            datamodule = build_datamodule(template)
             datamodule.prepare_data()
             datamodule.setup("fit")
             loader = datamodule.val_dataloader()
@@ -829,7 +835,7 @@ class ForcedCampaign:
         self.torch = torch
         # Read once: OmegaConf lookups would cost more per draw than drawing a few faults.
         pin = template.pin
-        self._params = _plain(pin.params)
+        self._params = expand_params(_plain(pin.params), self.model)  # a model of your own: its 2+-dim weights
         self._options = {key: _plain(pin.get(key)) for key in ("low", "high", "sa1_fraction", "cell_high", "bits",
                                                                "one_fraction") if pin.get(key) is not None}
         monitor = template.callbacks.pin_callback.get("monitor") or {}
