@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_pin import Pin
+from lightning_pin import Pin, QuantCode
 from lightning_pin.core import kinds
 from lightning_pin.core.plan import resolve
 from lightning_pin.core.state import PinState
@@ -57,6 +57,7 @@ def test_the_guard_above_would_see_a_branch_on_a_kind_name():
 
 EXAMPLES = {
     "value": Pin("w", indices=[(0, 1)], value=2.5),
+    "quant_code": Pin("w", indices=[(0, 1)], stuck_at_one=0x40, code=QuantCode(bits=8, scale=0.25)),
     "stuck_bits": Pin("w", indices=[(0, 1)], stuck_at_one=0x40000000),
     "bounds": Pin("w", indices=[(0, 1)], bounds=(0.0, math.inf)),
 }

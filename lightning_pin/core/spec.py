@@ -31,7 +31,7 @@ PinValue = Union[None, float, int, Sequence[float], torch.Tensor, str, Mapping[s
 
 _FIELDS = (
     "params", "indices", "mask", "fraction", "seed", "value", "start_step", "stop_step", "when",
-    "stuck_at_zero", "stuck_at_one", "bounds", "buffers",
+    "stuck_at_zero", "stuck_at_one", "bounds", "buffers", "code",
 )
 
 
@@ -84,6 +84,11 @@ class Pin:
             (BatchNorm's ``running_mean``, ``running_var``, ``num_batches_tracked``) at their
             values when the pin activates, as ``BaseFinetuning.freeze(train_bn=False)`` does.
             ``False`` lets them keep updating. Other pins hold no buffers.
+        code: A :class:`~lightning_pin.QuantCode` (or a mapping of its fields): the selected
+            elements are stored as integer codes and ``stuck_at_zero`` / ``stuck_at_one`` are masks
+            over the code's bits. After every optimizer step each element is written
+            ``(q' - zero_point) * scale`` with ``q' = (q & ~stuck_at_zero) | stuck_at_one`` on its code
+            ``q``; the other code bits keep training.
 
     A pin is one of three kinds: a value pin (the default: the element equals its target bit for
     bit), a stuck-bit pin (``stuck_at_zero`` / ``stuck_at_one``) or a bounded pin (``bounds``).
@@ -133,6 +138,7 @@ class Pin:
     stuck_at_one: Any = None
     bounds: Any = None
     buffers: bool = True
+    code: Any = None
 
     @property
     def kind(self) -> str:
@@ -148,6 +154,10 @@ class Pin:
         for name in _FIELDS:
             if name != "when":
                 object.__setattr__(self, name, _plain(getattr(self, name)))
+        if isinstance(self.code, Mapping):  # Hydra / YAML: {bits: 8, scale: 0.01}
+            from lightning_pin.core.kinds.quant_code import QuantCode
+
+            object.__setattr__(self, "code", QuantCode.from_config(self.code))
         _check_fields(self)
 
     @classmethod
@@ -274,6 +284,11 @@ def _feed(digest: Any, value: Any) -> None:
         digest.update(f"L{len(value)}".encode())
         for item in value:
             _feed(digest, item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):  # a QuantCode: by its fields
+        digest.update(f"D{type(value).__name__}".encode())
+        for field in dataclasses.fields(value):
+            digest.update(field.name.encode())
+            _feed(digest, getattr(value, field.name))
     elif isinstance(value, functools.partial):
         digest.update(b"P")
         for part in (value.func, value.args, value.keywords):

@@ -27,6 +27,7 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds._common import shared_positions
 from lightning_pin.core.kinds.base import Kind, Unreadable
 from lightning_pin.core.kinds.interval import Interval
+from lightning_pin.core.kinds.quant_code import QuantCode, QuantizedCode
 from lightning_pin.core.kinds.stuck_bits import StuckBits
 from lightning_pin.core.kinds.value import ExactValue
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 #: (stuck bits of a quantized code: the masks and ``code=``) comes before it, so it claims its pins.
 KINDS: tuple[type[Kind], ...] = (
     ExactValue,
+    QuantizedCode,  # before StuckBits: a pin with code= and stuck bits is a quantized code's
     StuckBits,
     Interval,
 )
@@ -93,6 +95,6 @@ def check_conflict(first: Pin, a: Any, second: Pin, b: Any, name: str) -> None:
 
 
 __all__ = [
-    "BY_NAME", "DEFAULT", "KINDS", "LATER_FIELDS", "ExactValue", "Interval", "Kind", "StuckBits", "Unreadable",
+    "BY_NAME", "DEFAULT", "KINDS", "LATER_FIELDS", "ExactValue", "Interval", "Kind", "QuantCode", "QuantizedCode", "StuckBits", "Unreadable",
     "check_conflict", "check_spec", "for_pin", "of",
 ]

@@ -98,6 +98,16 @@ class Kind:
         raise NotImplementedError
 
     @classmethod
+    def resolve_in(
+        cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any], module: torch.nn.Module
+    ) -> None:
+        """:meth:`resolve` with the module being pinned at hand: what the plan calls. A kind whose
+        fields name other tensors of the module (a quantized code's learned scale) finds them here
+        and keeps them in ``selection.context`` (read at every restore; never saved or
+        fingerprinted). The default ignores the module."""
+        cls.resolve(pin, selection, read, warn)
+
+    @classmethod
     def describe(cls, selection: Selection) -> str:
         """The summary's words for what the selection holds ("explicit values", "bounds [0, 1]")."""
         raise NotImplementedError
@@ -162,6 +172,13 @@ class Kind:
 
     # ------------------------------------------------------------------------------------
     # Stored tensors (check / diff on files: no engine)
+
+    @classmethod
+    def stored_bind(cls, saved: SavedSelection, tensors: Mapping[str, Tensor]) -> SavedSelection:
+        """``saved`` with what it reads from the stored artifact's other tensors (by name) filled in,
+        before :meth:`stored_off` (a quantized code's learned scale is stored beside its weight).
+        The default reads nothing."""
+        return saved
 
     @classmethod
     def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
