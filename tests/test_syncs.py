@@ -149,6 +149,19 @@ def _fault_pins():
     ]
 
 
+def _code_pins():
+    from lightning_pin import QuantCode
+
+    per_channel = QuantCode(bits=4, scale=torch.tensor([2.0**-3, 2.0**-4, 2.0**-3]), axis=0)
+    return [
+        # Stuck code bits: an int8 code in a window, a toggling per-channel int4 on a whole tensor, a value pin.
+        Pin("encoder.weight", fraction=0.3, seed=4, stuck_at_zero=0x80, stuck_at_one=0x01,
+            code=QuantCode(bits=8, scale=2.0**-6), start_step=2, stop_step=12),
+        Pin("head.weight", stuck_at_one=0x2, code=per_channel, when=_toggling),
+        Pin("head.bias", value=0.0),
+    ]
+
+
 OPTIMIZERS = {
     "adamw-forloop": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=False),
     "adam-foreach": lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=True),
@@ -178,8 +191,10 @@ def _count(
 
 @pytest.mark.parametrize(
     ("optimizer", "make_pins"),
-    [*((name, _pins) for name in OPTIMIZERS), ("adamw-forloop", _fault_pins), ("sgd_momentum-foreach", _fault_pins)],
-    ids=[*(f"{name}-values" for name in OPTIMIZERS), "adamw-forloop-faults", "sgd_momentum-foreach-faults"],
+    [*((name, _pins) for name in OPTIMIZERS), ("adamw-forloop", _fault_pins), ("sgd_momentum-foreach", _fault_pins),
+     ("adam-foreach", _code_pins)],
+    ids=[*(f"{name}-values" for name in OPTIMIZERS), "adamw-forloop-faults", "sgd_momentum-foreach-faults",
+         "adam-foreach-codes"],
 )
 @pytest.mark.parametrize("monitor", [False, True], ids=["no_monitor", "default_monitor"])
 def test_pinning_adds_no_sync_in_steady_state_steps(optimizer, make_pins, monitor, tmp_path):
@@ -303,9 +318,10 @@ def _steady_batches_add_no_sync(
         *((o, m, False) for o in ("adamw-forloop", "adam-foreach") for m in (_pins, _fault_pins)),
         ("adamw-forloop", _pins, True),
         ("adam-foreach", _fault_pins, True),
+        ("adamw-forloop", _code_pins, False),
     ],
     ids=["adamw-forloop-values", "adamw-forloop-faults", "adam-foreach-values", "adam-foreach-faults",
-         "adamw-forloop-values-compiled", "adam-foreach-faults-compiled"],
+         "adamw-forloop-values-compiled", "adam-foreach-faults-compiled", "adamw-forloop-codes"],
 )
 def test_front_door_adds_no_sync_in_steady_state_steps(optimizer, make_pins, compile_step):
     """The same count for a plain loop under ``pin()``: accumulation over 2 batches, clipping,

@@ -10,6 +10,8 @@ faults for a module and return plain :class:`~lightning_pin.Pin` lists, to give 
   ``rate`` (a bit error rate of SRAM / DRAM weight memory); the other bits keep training;
 - :func:`flip_bits`: transient flips: each (element, bit) pair flips with probability ``rate``
   while a ``with`` block evaluates the model, and the words are restored exactly on exit;
+- :func:`quantize`: the forward reads each weight's dequantized integer code (quantization-aware
+  training); with ``bit_faults(..., code=QuantCode(...))`` the stuck bits are bits of those codes;
 - :func:`save_fault_map` / :func:`load_fault_map`: one file format for stuck values, stuck bits
   and bounds per parameter name, so a chip's measured fault map can be pinned as it is.
 
@@ -22,10 +24,12 @@ from lightning_pin.faults.bits import bit_faults, bit_positions
 from lightning_pin.faults.cells import cell_faults
 from lightning_pin.faults.fault_map import load_fault_map, save_fault_map
 from lightning_pin.faults.flips import BitFlips, WordPatch, changed_bits, flip_bits, forced_patch
+from lightning_pin.faults.quantize import QuantizeHandle, quantize
 
 __all__ = [
     "BitFlips",
     "FaultPins",
+    "QuantizeHandle",
     "WordPatch",
     "bit_faults",
     "bit_positions",
@@ -34,5 +38,6 @@ __all__ = [
     "flip_bits",
     "forced_patch",
     "load_fault_map",
+    "quantize",
     "save_fault_map",
 ]

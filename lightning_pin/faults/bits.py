@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Sequence
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
+from lightning_pin.core.kinds.quant_code import QuantCode
 from lightning_pin.core.plan import name_seed
 from lightning_pin.core.spec import Pin
 from lightning_pin.core.state import BITS_DTYPES
@@ -38,6 +39,7 @@ def bit_faults(
     bits: BitSpec = None,
     one_fraction: float = 0.5,
     seed: int = 0,
+    code: Optional[QuantCode] = None,
 ) -> FaultPins:
     """Stuck bits: each (element, bit) pair of the matched parameters' stored words stuck with probability ``rate``.
 
@@ -66,6 +68,11 @@ def bit_faults(
             bit (0), or an iterable of those.
         one_fraction: Probability that a stuck bit reads one, in ``[0, 1]``.
         seed: Seed of the draw.
+        code: A :class:`~lightning_pin.QuantCode`: the weights are stored as its integer codes
+            and the draw is over the code's ``bits`` bits of each element (``bits`` positions
+            count from the code's least significant bit, ``"sign"`` is the top bit of a signed
+            code); the pins carry the code and select only the faulty elements (healthy ones are
+            not moved onto the code's grid). No pattern of code bits is refused: none is re-drawn.
 
     Returns:
         A :class:`FaultPins` list of stuck-bit pins (masks in the signed integer type of the word:
@@ -92,13 +99,18 @@ def bit_faults(
     check_fraction("one_fraction", one_fraction)
     check_seed(seed)
     pins, lines, faulty, redrawn_total = [], [], {}, 0
+    if code is not None:
+        code = QuantCode.from_config(code)
     for name, parameter in floating_parameters(module, params, "bit_faults").items():
         dtype = parameter.dtype
-        if dtype not in BITS_DTYPES:
+        if code is not None:
+            positions = code_bit_positions(bits, code, name)
+        elif dtype not in BITS_DTYPES:
             raise PinError(
                 f"bit_faults: {name!r} is {dtype}; stuck bits are modelled for {', '.join(map(str, BITS_DTYPES))}"
             )
-        positions = bit_positions(bits, dtype, name)
+        else:
+            positions = bit_positions(bits, dtype, name)
         numel = parameter.numel()
         pairs, one, rank = drawn_pairs(name, numel * len(positions), float(rate), int(seed), float(one_fraction))
         if pairs.numel() == 0:
@@ -109,25 +121,24 @@ def bit_faults(
         bit = torch.tensor(positions, dtype=torch.int64)[pairs % len(positions)]
         value = torch.ones_like(bit).bitwise_left_shift(bit)  # bit 63 wraps to -2**63: still that bit
         cells, owner = torch.unique_consecutive(element, return_inverse=True)  # pairs are sorted
-        redrawn = _keep_finite(dtype, positions, cells.numel(), owner, value, one, rank)
+        redrawn = 0 if code is not None else _keep_finite(dtype, positions, cells.numel(), owner, value, one, rank)
         redrawn_total += redrawn
         zero_mask, one_mask = _masks(cells.numel(), owner, value, one)
         faulty[name] = cells.numel()
-        word = BITS_DTYPES[dtype]
-        pins.append(
-            Pin(
-                exact_pattern(name),
-                indices=coordinates(cells, tuple(parameter.shape)),
-                stuck_at_zero=zero_mask.to(word),  # integer casts wrap: the same bits in the word's type
-                stuck_at_one=one_mask.to(word),
-            )
-        )
+        if code is not None:  # code-bit masks: at most 16 bits, as int32
+            masks = {"stuck_at_zero": zero_mask.to(torch.int32), "stuck_at_one": one_mask.to(torch.int32), "code": code}
+        else:
+            word = BITS_DTYPES[dtype]
+            # integer casts wrap: the same bits in the word's type
+            masks = {"stuck_at_zero": zero_mask.to(word), "stuck_at_one": one_mask.to(word)}
+        pins.append(Pin(exact_pattern(name), indices=coordinates(cells, tuple(parameter.shape)), **masks))
         ones = int(one.sum())
         lines.append(
             f"{name}: {value.numel():,} stuck bits in {cells.numel():,} of {numel:,} elements ({ones:,} read 1, "
             f"{value.numel() - ones:,} read 0; bits {_ranges(positions)}); {redrawn} re-drawn, 0 skipped"
         )
-    title = f"bit faults (rate {rate:g}, one_fraction {one_fraction:g}, seed {seed})"
+    of_code = "" if code is None else f", {code.describe()}"
+    title = f"bit faults (rate {rate:g}, one_fraction {one_fraction:g}, seed {seed}{of_code})"
     return finish(pins, title, lines, faulty, redrawn_total, 0)
 
 
@@ -217,6 +228,44 @@ def bit_positions(bits: BitSpec, dtype: torch.dtype, name: str = "") -> list[int
             chosen.add(int(item))
         else:
             raise PinError(f"bit_faults: bits must be None, 'sign', 'exponent', 'mantissa' or ints, got {item!r}")
+    if not chosen:
+        raise PinError("bit_faults: bits names no bit position")
+    return sorted(chosen)
+
+
+def code_bit_positions(bits: BitSpec, code: QuantCode, name: str = "") -> list[int]:
+    """The sorted bit positions ``bits`` names in ``code``'s ``code.bits``-bit code (``"sign"``: its top bit).
+
+    Example::
+
+        >>> code_bit_positions(None, QuantCode(bits=4, scale=0.1)), code_bit_positions("sign", QuantCode(8, 0.1))
+        ([0, 1, 2, 3], [7])
+
+    Raises:
+        PinError: ``"sign"`` of an unsigned code, ``"exponent"`` / ``"mantissa"`` (a code has
+            neither), a position outside the code, or no position at all.
+    """
+    width = code.bits
+    items = [bits] if bits is None or isinstance(bits, (str, int)) else list(bits)
+    chosen: set[int] = set()
+    for item in items:
+        if item is None:
+            chosen.update(range(width))
+        elif item == "sign":
+            if not code.signed:
+                raise PinError(f"bit_faults: bits 'sign' of {code!r}, an unsigned code: it has no sign bit")
+            chosen.add(width - 1)
+        elif isinstance(item, str):
+            raise PinError(f"bit_faults: bits {item!r} of {code!r}: an integer code has no exponent or mantissa; "
+                           "give None (every code bit), 'sign' or positions")
+        elif isinstance(item, numbers.Integral) and not isinstance(item, bool):
+            if not 0 <= int(item) < width:
+                where = f" of {name!r}" if name else ""
+                raise PinError(f"bit_faults: bit {item} is outside the {width}-bit code{where}; positions count "
+                               f"from 0 (least significant) to {width - 1}")
+            chosen.add(int(item))
+        else:
+            raise PinError(f"bit_faults: bits must be None, 'sign' or ints, got {item!r}")
     if not chosen:
         raise PinError("bit_faults: bits names no bit position")
     return sorted(chosen)

@@ -515,6 +515,31 @@ def _match(name: str, available: Collection[str], known: set[str]) -> tuple[Opti
     return None, tuple(sorted(candidates))
 
 
+class _Beside(Mapping):
+    """The artifact's tensors by the trained model's names, loaded when asked for (see ``Kind.stored_bind``)."""
+
+    def __init__(self, reader: _Reader, known: set[str]) -> None:
+        self._reader, self._known = reader, known
+
+    def _name(self, name: str) -> Optional[str]:
+        return _match(name, self._reader.shapes, self._known | {name})[0]
+
+    def __getitem__(self, name: str) -> Tensor:
+        found = self._name(name)
+        if found is None:
+            raise KeyError(name)
+        return self._reader.load(found)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._name(name) is not None
+
+    def __iter__(self) -> Any:
+        return iter(self._reader.shapes)
+
+    def __len__(self) -> int:
+        return len(self._reader.shapes)
+
+
 def _check_parameter(
     reader: _Reader,
     key: str,
@@ -548,7 +573,10 @@ def _check_parameter(
         tensor = reader.load(tensor_name)
     except _Unreadable as err:
         return problem(str(err), tensor=tensor_name, rewrites=rewrites)
+    # What a kind reads beside its own tensor (a quantized code's learned scale), from the artifact.
+    beside = _Beside(reader, known)
     try:
+        faults = [(pin_id, kinds.of(s.kind).stored_bind(s, beside)) for pin_id, s in faults]
         off, shown, elements = _compare(tensor, entries, faults)
     except _Unreadable as err:
         return problem(str(err), tensor=tensor_name, rewrites=rewrites)

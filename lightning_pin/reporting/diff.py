@@ -223,6 +223,7 @@ def _check_pins(
                 changed = int(_differs(_select(ta, index), _select(tb, index)).sum())
             kind = kinds.of(entry.kind)
             if not kind.frozen:  # stuck bits, bounds, ...: the kind compares the stored tensor
+                entry = kind.stored_bind(entry, weights_b)  # what it reads beside it (a learned scale)
                 off, problem = _fault_off(tb, entry)
                 shown = _shown(tb, [], [(pin_id, entry)]) if off else ()
                 told = kind.stored_dtype(entry)

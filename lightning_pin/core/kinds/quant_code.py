@@ -336,6 +336,7 @@ class QuantizedCode(Kind):
                            f"{extreme} x {float(largest):g})")
         flat = torch.arange(parameter.numel()) if selection.index is None else selection.index.cpu().long()
         device = parameter.device
+        selection.context["code"] = dataclasses.replace(code, axis=axis)  # the axis counted from 0
         selection.payload = {
             "stuck_at_zero": zero.to(device), "stuck_at_one": one.to(device),
             "channel": channels(shape, axis, flat).reshape(zero.shape).to(device),
@@ -385,12 +386,15 @@ class QuantizedCode(Kind):
         zeros = torch.zeros((), dtype=torch.int32)
         index, zero, one = merge_paired(parameter, [e.index for e in entries], pairs, (zeros, zeros),
                                         lambda a, b, side: a | b)
+        # Sync-free (it runs when a `when` pin toggles): the code from the context, not the payload.
         first = entries[0]
-        code = code_of(first.payload, parameter)
-        flat = torch.arange(parameter.numel()) if index is None else index.cpu().long()
-        axis = int(first.payload["spec"][3])
-        channel = channels(tuple(parameter.shape), None if axis < 0 else axis, flat).to(parameter.device)
-        scale = first.context.get("scale") if code.named else first.payload["scale"]
+        code = first.context["code"]
+        if len(entries) == 1:
+            channel = first.payload["channel"]
+        else:
+            flat = torch.arange(parameter.numel()) if index is None else index.cpu().long()
+            channel = channels(tuple(parameter.shape), code.axis, flat).to(parameter.device)
+        scale = first.context["scale"] if code.named else first.payload["scale"]
         return cls(Target(name, parameter, index, torch.stack([zero.reshape(-1), one.reshape(-1)], dim=-1)),
                    code, channel, scale)
 
