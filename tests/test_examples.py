@@ -19,6 +19,7 @@ CLAIMS = {
     "sparse_training.py": "still exactly 0",
     "stuck_at_faults.py": "accuracy  baseline",
     "bit_faults.py": "stuck bits read exactly in",
+    "int8_faults.py": "stuck code bits read exactly in",
     "export_onnx.py": "check caught the folding: exit 1; optimize=False / do_constant_folding=False: exit 0",
     "plain_loop.py": "pin() with `when` pins:                0 ",
     "fabric_loop.py": "resumed run identical to the uninterrupted one: True",
