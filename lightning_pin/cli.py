@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     faults.add_argument("--kind", default="value", help="value (stuck at random values), cell (stuck-at-0/1), bit "
                         "(stuck bits), flip (transient bit flips; implies --no-retrain)")
+    faults.add_argument("--code-bits", type=int, help="--kind bit: stick bits of N-bit integer weight codes (one "
+                        "scale per output channel, from the weights; the forward reads the codes) instead of float words")
     faults.add_argument("--rates", default="0,0.05,0.1,0.2,0.5", help="fault rates in [0, 1], comma separated "
                         "(0 is the unfaulted control; default: %(default)s)")
     faults.add_argument("--seeds", type=int, default=3, help="fault maps per rate (seeds 0..N-1; default: 3)")
@@ -293,7 +295,7 @@ def _faults(args: argparse.Namespace, extra: Sequence[str]) -> int:
     try:
         study = Study(kind=args.kind, rates=parse_rates(args.rates), seeds=args.seeds, per_layer=args.per_layer,
                       layer_rate=args.layer_rate, jobs=args.jobs, out=args.out, no_retrain=args.no_retrain,
-                      launcher=args.launcher, overrides=(*args.overrides, *extra),
+                      launcher=args.launcher, overrides=(*args.overrides, *extra, *_code_bits(args)),
                       config_dir=_config_dir(args.config_dir))
         status = run_study(study)
     except StudyError as err:
@@ -307,6 +309,18 @@ def _faults(args: argparse.Namespace, extra: Sequence[str]) -> int:
         sys.stderr.flush()
         os._exit(status)
     return status
+
+
+def _code_bits(args: argparse.Namespace) -> list[str]:
+    """``--code-bits N`` as the override the study's jobs read; exit 2 for it without ``--kind bit`` or out of range."""
+    if args.code_bits is None:
+        return []
+    if args.kind != "bit":
+        raise _BadOption(f"--code-bits {args.code_bits}: integer codes are for --kind bit (stuck bits), not "
+                         f"--kind {args.kind}")
+    if not 2 <= args.code_bits <= 16:
+        raise _BadOption(f"--code-bits {args.code_bits}: codes have 2 to 16 bits (8 for int8)")
+    return [f"pin.code_bits={args.code_bits}"]
 
 
 def _running_as_the_command(command: str) -> bool:

@@ -299,6 +299,8 @@ class BitFaultsConfig(PinsConfig):
     bits: Any = None
     one_fraction: float = 0.5
     seed: int = 0
+    #: Stuck bits of ``code_bits``-bit integer codes (per-channel scales from the weights) instead of float words.
+    code_bits: Optional[int] = None
     #: A ``_partial_`` node of a generator ``(module) -> list[Pin]``; the app calls it on the model it retrains.
     faults: Any = None
 
@@ -324,6 +326,9 @@ class FaultPinsConfig(PinsConfig):
     #: kind=bit: which bits may stick (null: all), and the share stuck at 1.
     bits: Any = None
     one_fraction: float = 0.5
+    #: kind=bit: stuck bits of ``code_bits``-bit integer codes (per-channel scales from the weights; the
+    #: forward reads the dequantized codes) instead of the float words (null).
+    code_bits: Optional[int] = None
 
 
 @dataclass

@@ -91,6 +91,7 @@ def draw_faults(
     cell_high: Optional[float] = None,
     bits: Any = None,
     one_fraction: float = 0.5,
+    code_bits: Optional[int] = None,
 ) -> list[Pin]:
     """The pins of ``kind`` faults at ``rate`` on the parameters ``params`` of ``module``, from ``seed``.
 
@@ -110,7 +111,8 @@ def draw_faults(
         return [Pin(name, mask=~stuck.isnan(), value=stuck[~stuck.isnan()]) for name, stuck in fault_map.items()]
     if kind == "cell":
         return list(fault_generator("cell")(module, params, rate, sa1_fraction=sa1_fraction, high=cell_high, seed=seed))
-    return list(fault_generator("bit")(module, params, rate, bits=bits, one_fraction=one_fraction, seed=seed))
+    return list(fault_generator("bit")(module, params, rate, bits=bits, one_fraction=one_fraction, seed=seed,
+                                       code=code_bits))
 
 
 def save_faults(pins: Sequence[Pin], module: nn.Module, path: Union[str, Path]) -> None:

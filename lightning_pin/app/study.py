@@ -837,7 +837,7 @@ class ForcedCampaign:
         pin = template.pin
         self._params = expand_params(_plain(pin.params), self.model)  # a model of your own: its 2+-dim weights
         self._options = {key: _plain(pin.get(key)) for key in ("low", "high", "sa1_fraction", "cell_high", "bits",
-                                                               "one_fraction") if pin.get(key) is not None}
+                                                               "one_fraction", "code_bits") if pin.get(key) is not None}
         monitor = template.callbacks.pin_callback.get("monitor") or {}
         self.tolerance = monitor.get("tolerance") if hasattr(monitor, "get") else None
         self.baseline = self.evaluate() if evaluate else None

@@ -55,6 +55,7 @@ from lightning_pin.app.sweep import RUN_SUMMARY
 from lightning_pin.callbacks.pin_callback import PinCallback
 from lightning_pin.core.io import TensorFileError, load_checkpoint
 from lightning_pin.core.plan import resolve
+from lightning_pin.faults.quantize import quantize_pins
 from lightning_pin.core.spec import Pin
 from lightning_pin.reporting.report import REPORT_JSON, REPORT_PNG, settled_step
 
@@ -215,7 +216,9 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
     if "rate" in cfg.pin.keys() and pins:
         save_faults(pins, model, output_dir / FAULT_MAP)  # what a study checks for common random numbers
 
-    # 3. Baseline, forced, retraining with the pins (PinMonitor measures at train start).
+    # 3. Baseline, forced, retraining with the pins (PinMonitor measures at train start). Stuck bits of
+    # integer codes: from here the forward reads the dequantized codes (quantization-aware retraining).
+    quantize_pins(model, pins)
     pinned = sum(plan.pinned_counts().values())
     log.info(f"Retraining with {len(pins)} pin(s) on {pinned:,} elements for {cfg.trainer.max_epochs} epochs")
     trainer.fit(model, datamodule)
@@ -258,8 +261,8 @@ def build_pins(pin_cfg: DictConfig, model: torch.nn.Module, announce: bool = Fal
             entry["params"] = expand_params(entry["params"], model)
     pins = [realize(Pin.from_config(entry), model) for entry in entries]
     if "rate" in pin_cfg.keys() and "kind" in pin_cfg.keys():  # pin=faults
-        options = ("low", "high", "sa1_fraction", "cell_high", "bits", "one_fraction")
-        drawn = {key: _plain(pin_cfg[key]) for key in options}
+        options = ("low", "high", "sa1_fraction", "cell_high", "bits", "one_fraction", "code_bits")
+        drawn = {key: _plain(pin_cfg[key]) for key in options if key in pin_cfg.keys()}
         params = expand_params(_plain(pin_cfg.params), model)
         pins += draw_faults(model, pin_cfg.kind, pin_cfg.rate, pin_cfg.seed, params, **drawn)
     # keys(), not `in`: `in` is False for a missing value (???), which must fail here, not be skipped.

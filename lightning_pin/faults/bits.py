@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds.quant_code import QuantCode
+from lightning_pin.faults.quantize import weight_code
 from lightning_pin.core.plan import name_seed
 from lightning_pin.core.spec import Pin
 from lightning_pin.core.state import BITS_DTYPES
@@ -39,7 +40,7 @@ def bit_faults(
     bits: BitSpec = None,
     one_fraction: float = 0.5,
     seed: int = 0,
-    code: Optional[QuantCode] = None,
+    code: Union[None, QuantCode, int] = None,
 ) -> FaultPins:
     """Stuck bits: each (element, bit) pair of the matched parameters' stored words stuck with probability ``rate``.
 
@@ -73,6 +74,8 @@ def bit_faults(
             count from the code's least significant bit, ``"sign"`` is the top bit of a signed
             code); the pins carry the code and select only the faulty elements (healthy ones are
             not moved onto the code's grid). No pattern of code bits is refused: none is re-drawn.
+            An int ``n``: each parameter's own symmetric signed ``n``-bit code with one scale per
+            output channel (axis 0) from its current weights (:func:`~lightning_pin.faults.quantize.weight_code`).
 
     Returns:
         A :class:`FaultPins` list of stuck-bit pins (masks in the signed integer type of the word:
@@ -99,11 +102,13 @@ def bit_faults(
     check_fraction("one_fraction", one_fraction)
     check_seed(seed)
     pins, lines, faulty, redrawn_total = [], [], {}, 0
-    if code is not None:
-        code = QuantCode.from_config(code)
+    given = code
+    if code is not None and not _is_bits(code):
+        code = given = QuantCode.from_config(code)
     for name, parameter in floating_parameters(module, params, "bit_faults").items():
         dtype = parameter.dtype
-        if code is not None:
+        if given is not None:
+            code = weight_code(parameter, given, name) if _is_bits(given) else given
             positions = code_bit_positions(bits, code, name)
         elif dtype not in BITS_DTYPES:
             raise PinError(
@@ -137,7 +142,9 @@ def bit_faults(
             f"{name}: {value.numel():,} stuck bits in {cells.numel():,} of {numel:,} elements ({ones:,} read 1, "
             f"{value.numel() - ones:,} read 0; bits {_ranges(positions)}); {redrawn} re-drawn, 0 skipped"
         )
-    of_code = "" if code is None else f", {code.describe()}"
+    of_code = ""
+    if given is not None:
+        of_code = f", int{given} codes per channel" if _is_bits(given) else f", {given.describe()}"
     title = f"bit faults (rate {rate:g}, one_fraction {one_fraction:g}, seed {seed}{of_code})"
     return finish(pins, title, lines, faulty, redrawn_total, 0)
 
@@ -231,6 +238,10 @@ def bit_positions(bits: BitSpec, dtype: torch.dtype, name: str = "") -> list[int
     if not chosen:
         raise PinError("bit_faults: bits names no bit position")
     return sorted(chosen)
+
+
+def _is_bits(code: object) -> bool:
+    return isinstance(code, numbers.Integral) and not isinstance(code, bool)
 
 
 def code_bit_positions(bits: BitSpec, code: QuantCode, name: str = "") -> list[int]:

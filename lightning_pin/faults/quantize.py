@@ -124,6 +124,31 @@ def quantize(module: nn.Module, params: Params, code: QuantCode | Any) -> Quanti
     return QuantizeHandle(hooks, list(named))
 
 
+def weight_code(weight: Tensor, bits: int, name: str = "") -> QuantCode:
+    """A symmetric signed ``bits``-bit code for ``weight`` with one scale per output channel (axis 0):
+    ``max |w| / (2**(bits-1) - 1)`` of each channel (1.0 for a channel of zeros), in float32.
+
+    Example::
+
+        >>> weight_code(torch.tensor([[0.5, -1.27], [0.0, 0.0]]), 8)
+        QuantCode(bits=8, scale=tensor([0.009999999776482582, 1.0]), axis=0)
+
+    Raises:
+        PinError: ``bits`` outside 2..16.
+    """
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16:
+        raise PinError(f"code bits for {name!r} must be an integer from 2 to 16, got {bits!r}")
+    rows = weight.detach().reshape(weight.shape[0], -1) if weight.ndim else weight.detach().reshape(1, 1)
+    largest = rows.abs().amax(dim=1).float().cpu()
+    scale = torch.where(largest > 0, largest / ((1 << (bits - 1)) - 1), torch.ones_like(largest))
+    return QuantCode(bits=bits, scale=scale, axis=0 if weight.ndim else None)
+
+
+def quantize_pins(module: nn.Module, pins: Any) -> list[QuantizeHandle]:
+    """:func:`quantize` the parameters of every pin that carries a code, with its code (the app's QAT)."""
+    return [quantize(module, p.params, p.code) for p in pins if getattr(p, "code", None) is not None]
+
+
 def _scale_of(code: QuantCode, module: nn.Module, name: str, parameter: Tensor) -> Any:
     """``scale()``: the scale of ``parameter``, shaped to broadcast along the code's axis."""
     axis: Optional[int] = None if code.axis is None else code.axis % max(parameter.ndim, 1)
