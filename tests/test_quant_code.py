@@ -418,3 +418,41 @@ def test_the_saved_selection_holds_the_code_spec_and_the_scale_name():
     assert bytes(saved.scale_name.tolist()).decode() == "s_channel" and saved.scale.numel() == 0
     assert saved.channel.tolist() == [0] and saved.stuck_at_one.tolist() == [2]
     handle.remove()
+
+
+# --------------------------------------------------------------------------------------------
+# Fault-map files carry the code
+
+
+@pytest.mark.parametrize("with_module", [False, True], ids=["pins_alone", "with_module"])
+@pytest.mark.parametrize("code_name", ["int4_per_channel", "int8_learned"])
+def test_a_fault_map_carries_the_code_and_pins_the_same_faults(tmp_path, code_name, with_module):
+    from lightning_pin.faults import load_fault_map, save_fault_map
+
+    torch.manual_seed(0)
+    net, code = Net(), CODES[code_name]()
+    pins = bit_faults(net, "fc1.weight", rate=0.05, code=code, seed=3)
+    path = save_fault_map(pins, tmp_path / "chip.safetensors", module=net if with_module else None)
+    loaded = load_fault_map(path)
+    assert len(loaded) == 1 and "with stuck code bits" in loaded.summary
+    again = loaded[0].code
+    assert (again.bits, again.zero_point, again.axis, again.signed) == (code.bits, code.zero_point, code.axis,
+                                                                        code.signed)
+    assert again.scale == code.scale if code.named else torch.equal(again.scale, code.scale.double())
+    held = []
+    for chosen in (list(pins), list(loaded)):
+        torch.manual_seed(0)
+        fresh = Net()
+        with pin(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), chosen):
+            held.append(fresh.fc1.weight.detach().clone())
+    assert torch.equal(held[0], held[1])
+
+
+def test_a_fault_map_refuses_two_codes_for_one_parameter(tmp_path):
+    from lightning_pin.faults import save_fault_map
+
+    a = Pin("fc1.weight", indices=[(0, 0)], stuck_at_one=0x1, code=QuantCode(bits=8, scale=0.5))
+    b = Pin("fc1.weight", indices=[(1, 0)], stuck_at_one=0x1, code=QuantCode(bits=4, scale=0.5))
+    with pytest.raises(PinError, match="store it in different codes"):
+        save_fault_map([a, b], tmp_path / "chip.pt")
+    assert not (tmp_path / "chip.pt").exists()

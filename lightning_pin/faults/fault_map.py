@@ -25,6 +25,8 @@ from lightning_pin.faults._common import FaultPins, coordinates, exact_name, exa
 FIELDS = {field: healthy for each in kinds.KINDS for field, healthy in each.map_fields.items()}
 #: The kind each field belongs to.
 _KIND_OF = {field: each for each in kinds.KINDS for field in each.map_fields}
+#: Per-parameter entries (not one per element) and the kind they belong to: a quantized code's spec.
+SPEC_FIELDS = {field: each for each in kinds.KINDS for field in each.map_spec_fields}
 #: The field of a bare parameter-name key (older maps: it holds stuck values).
 _BARE = next(iter(kinds.DEFAULT.map_fields))
 #: The key suffix of the (optional) coordinates of the elements the other fields describe.
@@ -96,9 +98,15 @@ def save_fault_map(
         )
     known_shapes = dict(getattr(pins, "shapes", None) or {})
     entries: dict[str, list[tuple[Tensor, dict[str, Tensor], Optional[tuple[int, ...]]]]] = {}
+    specs: dict[str, dict[str, Tensor]] = {}
     found = _resolved_entries(list(pins), module) if module is not None else map(_fault_entry, pins)
-    for name, coords, fields, shape in found:
+    for name, coords, fields, shape, spec in found:
         entries.setdefault(name, []).append((coords, fields, shape if shape is not None else known_shapes.get(name)))
+        if spec:
+            before = specs.setdefault(name, spec)
+            if before.keys() != spec.keys() or not all(torch.equal(before[k], spec[k]) for k in spec):
+                raise PinError(f"save_fault_map: the pins on {name!r} store it in different codes; a parameter "
+                               "is stored in one")
     if not entries:
         raise PinError("save_fault_map: no pins to save")
     tensors: dict[str, Tensor] = {}
@@ -107,6 +115,7 @@ def save_fault_map(
         tensors.update(_merge(name, [(coords, fields) for coords, fields, _ in parts]))
         if shape is not None:
             tensors[f"{name}:{SHAPE}"] = torch.tensor(shape, dtype=torch.int64).reshape(len(shape))
+        tensors.update((f"{name}:{field}", tensor) for field, tensor in specs.get(name, {}).items())
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".safetensors":
         from safetensors.torch import save_file
@@ -221,10 +230,10 @@ def _split_key(key: str, where: str) -> tuple[str, str]:
     name, sep, field = key.rpartition(":")
     if not sep:
         return key, _BARE  # the older maps: the bare parameter name holds stuck values
-    if field not in FIELDS and field not in (INDICES, SHAPE):
+    if field not in FIELDS and field not in SPEC_FIELDS and field not in (INDICES, SHAPE):
         raise PinError(
             f"{where}: key {key!r} ends in {field!r}; a key is a parameter name or 'name:field' with field one of "
-            f"{[*FIELDS, INDICES, SHAPE]}"
+            f"{[*FIELDS, *SPEC_FIELDS, INDICES, SHAPE]}"
         )
     return name, field
 
@@ -235,6 +244,7 @@ def _pins_from_fields(
     """One pin per kind of fault that ``fields`` marks for parameter ``name`` (of shape ``recorded``, when the file
     records it)."""
     coords = fields.pop(INDICES, None)
+    spec = {field: fields.pop(field) for field in list(fields) if field in SPEC_FIELDS}
     flat: Optional[Tensor] = None  # with a recorded shape: the listed elements, flat and sorted
     if coords is not None:
         if coords.dtype in (torch.bool,) or coords.is_floating_point() or coords.ndim not in (1, 2):
@@ -278,7 +288,8 @@ def _pins_from_fields(
             continue
         every = marked if every is None else every | marked
         if bool(marked.any()):
-            pins.append(each.map_pin(pattern, fields, marked, select(marked)))
+            extra = each.map_spec_pin({k: v for k, v in spec.items() if SPEC_FIELDS[k] is each}, where)
+            pins.append(each.map_pin(pattern, fields, marked, {**select(marked), **extra}))
             parts.append(each.map_summary(int(marked.sum())))
     count = 0 if every is None else int(every.sum())
     return pins, f"{name}: {', '.join(parts) if parts else 'no fault'}", count
@@ -305,8 +316,9 @@ def _flat_sorted(name: str, coords: Tensor, shape: tuple[int, ...], where: str) 
 
 def _resolved_entries(
     pins: list[Pin], module: nn.Module
-) -> list[tuple[str, Tensor, dict[str, Tensor], Optional[tuple[int, ...]]]]:
-    """Per pin and parameter it selects on ``module``: the name, coordinates, per-element fields and shape."""
+) -> list[tuple[str, Tensor, dict[str, Tensor], Optional[tuple[int, ...]], dict[str, Tensor]]]:
+    """Per pin and parameter it selects on ``module``: the name, coordinates, per-element fields, shape and the
+    kind's per-parameter entries."""
     for pin in pins:
         _static(pin)
     found = []
@@ -316,8 +328,9 @@ def _resolved_entries(
             flat = torch.arange(parameter.numel()) if selection.index is None else selection.index.cpu().long()
             coords = coordinates(flat, tuple(parameter.shape))
 
-            fields = kinds.of(selection.kind).map_entries(selection, flat)  # one per element of `flat`
-            found.append((name, coords, fields, tuple(parameter.shape)))
+            kind = kinds.of(selection.kind)
+            fields = kind.map_entries(selection, flat)  # one per element of `flat`
+            found.append((name, coords, fields, tuple(parameter.shape), kind.map_spec(rp.pin, selection)))
     return found
 
 
@@ -329,7 +342,7 @@ def _static(pin: Pin) -> None:
         )
 
 
-def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor], Optional[tuple[int, ...]]]:
+def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor], Optional[tuple[int, ...]], dict[str, Tensor]]:
     """The parameter a pin names, its elements' coordinates, its per-element fields and the
     parameter's shape where the pin tells it (a mask, tensors of the whole parameter)."""
     if not isinstance(pin, Pin):
@@ -369,7 +382,7 @@ def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor], Optional[tup
         if raw is None:
             continue
         fields[field] = _per_element(pin, field, raw, coords, full)
-    return name, coords, fields, full
+    return name, coords, fields, full, kinds.for_pin(pin).map_spec(pin, None)
 
 
 def _per_element(pin: Pin, field: str, raw: Any, coords: Tensor, full: Optional[tuple[int, ...]]) -> Tensor:

@@ -203,6 +203,24 @@ class Kind:
     #: Whether the map fields hold integer bit patterns (else numbers, read as float64).
     map_bits: ClassVar[bool] = False
 
+    #: The kind's per-parameter entries in a fault-map file (``name:<field>``, not one per element:
+    #: a quantized code's spec and scales).
+    map_spec_fields: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def map_spec(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Tensor]:
+        """The per-parameter entries of ``pin`` (resolved as ``selection`` when saved with a module)."""
+        return {}
+
+    @classmethod
+    def map_spec_pin(cls, spec: Mapping[str, Tensor], where: str) -> dict[str, Any]:
+        """The :class:`~lightning_pin.Pin` fields a map's per-parameter entries ``spec`` give.
+
+        Raises:
+            PinError: entries no saved pin gives, naming ``where``.
+        """
+        return {}
+
     @classmethod
     def map_summary(cls, count: int) -> str:
         """``count`` elements of the kind in a map's summary line: "3 stuck values", "2 bounded"."""

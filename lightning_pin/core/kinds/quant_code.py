@@ -487,6 +487,38 @@ class QuantizedCode(Kind):
     map_fields = {"code_stuck_at_zero": 0, "code_stuck_at_one": 0}
     map_bits = True
 
+    map_spec_fields = ("code", "code_scale", "code_scale_name")
+
+    @classmethod
+    def map_spec(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Tensor]:
+        """``code``: int64 ``[bits, zero_point, signed, has axis, axis]``; ``code_scale`` (float64) or
+        ``code_scale_name`` (UTF-8 bytes, uint8) for a learned scale."""
+        code = pin.code if selection is None else selection.context["code"]
+        spec = {"code": torch.tensor([code.bits, code.zero_point, int(code.signed), int(code.axis is not None),
+                                      0 if code.axis is None else code.axis], dtype=torch.int64)}
+        if code.named:
+            spec["code_scale_name"] = torch.tensor(list(code.scale.encode()), dtype=torch.uint8)
+        else:
+            spec["code_scale"] = torch.as_tensor(code.scale).detach().cpu().reshape(-1).to(torch.float64)
+        return spec
+
+    @classmethod
+    def map_spec_pin(cls, spec: Mapping[str, Tensor], where: str) -> dict[str, Any]:
+        if not spec:
+            return {}
+        raw = spec.get("code")
+        if raw is None or raw.dtype != torch.int64 or tuple(raw.shape) != (5,):
+            raise PinError(f"{where}: a code must be an int64 tensor [bits, zero_point, signed, has axis, axis]")
+        bits, zero_point, signed, has_axis, axis = (int(x) for x in raw)
+        if "code_scale_name" in spec:
+            scale: Scale = bytes(spec["code_scale_name"].tolist()).decode()
+        elif "code_scale" in spec:
+            values = spec["code_scale"]
+            scale = float(values[0]) if values.numel() == 1 else values.clone()
+        else:
+            raise PinError(f"{where}: a code without its scale (code_scale, or code_scale_name for a learned one)")
+        return {"code": QuantCode(bits, scale, zero_point, axis if has_axis else None, bool(signed))}
+
     @classmethod
     def map_summary(cls, count: int) -> str:
         return f"{count:,} with stuck code bits"
