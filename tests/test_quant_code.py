@@ -456,3 +456,44 @@ def test_a_fault_map_refuses_two_codes_for_one_parameter(tmp_path):
     with pytest.raises(PinError, match="store it in different codes"):
         save_fault_map([a, b], tmp_path / "chip.pt")
     assert not (tmp_path / "chip.pt").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# torch.ao's quantization-aware training: its fake-quant scale is a buffer a code can name
+
+
+def test_torch_ao_qat_reads_the_faulty_codes_the_pins_hold():
+    import warnings
+
+    import torch.ao.quantization as tq
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    model = M().train()
+    model.qconfig = tq.get_default_qat_qconfig("x86")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tq.prepare_qat(model, inplace=True)
+    model(torch.randn(32, 16))  # calibrate the observers, then freeze the scales the pins read
+    model.apply(tq.disable_observer)
+    fake = model.fc.weight_fake_quant
+    assert [n for n, _ in model.named_parameters()] == ["fc.weight", "fc.bias"]
+    code = QuantCode(bits=8, scale="fc.weight_fake_quant.scale", axis=fake.ch_axis)
+    pins = bit_faults(model, "fc.weight", rate=0.05, code=code, seed=1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    with pin(model, opt, pins) as handle:
+        for _ in range(5):
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            weight = model.fc.weight.detach()
+            where = tuple(pins[0].indices.T)
+            assert torch.equal(fake(weight)[where], weight[where])  # the forward sees the pinned faulty weights
+        handle.verify()
