@@ -63,7 +63,7 @@ def show(label: str, monitor: PinMonitor, note: str = "") -> None:
 
 
 def check_codes(model: Classifier, pins: list) -> int:
-    """verify()'s check spelled out: each faulty weight is its code times its scale, and its code reads the stuck bits."""
+    """verify()'s check spelled out: each faulty weight is its code times its scale, its code reads the stuck bits."""
     faulty = 0
     for p in pins:
         weight, code = model.get_parameter(p.params).detach(), p.code

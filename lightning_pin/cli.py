@@ -120,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     faults.add_argument("--kind", default="value", help="value (stuck at random values), cell (stuck-at-0/1), bit "
                         "(stuck bits), flip (transient bit flips; implies --no-retrain)")
-    faults.add_argument("--code-bits", type=int, help="--kind bit: stick bits of N-bit integer weight codes (one "
-                        "scale per output channel, from the weights; the forward reads the codes) instead of float words")
+    faults.add_argument("--code-bits", type=int, metavar="N", help="--kind bit: stick bits of N-bit integer weight "
+                        "codes (one scale per output channel, from the weights; the forward reads the codes) instead "
+                        "of float words")
     faults.add_argument("--rates", default="0,0.05,0.1,0.2,0.5", help="fault rates in [0, 1], comma separated "
                         "(0 is the unfaulted control; default: %(default)s)")
     faults.add_argument("--seeds", type=int, default=3, help="fault maps per rate (seeds 0..N-1; default: 3)")

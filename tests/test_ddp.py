@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 from helpers import StepRecorder, TinyNet, check_pins, flat_index, make_loader, snapshot, trainer
 
-from lightning_pin import Pin, PinCallback, PinError
+from lightning_pin import Pin, PinCallback, PinError, QuantCode
 from lightning_pin.core.plan import fraction_indices
 
 ENC_COORDS = [(0, 0), (5, 7), (11, 2)]
 ENC_VALUES = [1.5, -2.0, 0.0]
 STUCK_COORDS = [(1, 1), (6, 3), (12, 5)]
 BOUNDED_COORDS = [(2, 2), (7, 4)]
+CODE_COORDS = [(3, 3), (9, 6)]  # int8 codes: the sign bit stuck at 0, bit 0 at 1
 STEPS = 8  # 64 samples, 32 per rank, batches of 8, two epochs
 
 
@@ -37,6 +38,8 @@ def ddp_pins() -> list[Pin]:
         # Fault models: stuck bits (sign at 0, a mantissa bit at 1) and bounded cells.
         Pin("encoder.weight", indices=STUCK_COORDS, stuck_at_zero=0x80000000, stuck_at_one=0x00400000),
         Pin("encoder.weight", indices=BOUNDED_COORDS, bounds=(-0.01, 0.01)),
+        Pin("encoder.weight", indices=CODE_COORDS, stuck_at_zero=0x80, stuck_at_one=0x01,
+            code=QuantCode(bits=8, scale=2.0**-6)),
     ]
 
 
@@ -130,6 +133,17 @@ def test_ddp_faults_hold_on_both_ranks_after_every_step(ddp_run):
         final, init = (data[k]["encoder.weight"].reshape(-1)[stuck].view(torch.int32) for k in ("final", "init"))
         moved = final ^ init
         assert bool(((moved & ~(-(2**31) | 0x00400000)) != 0).all())
+
+
+def test_ddp_codes_hold_on_both_ranks_after_every_step(ddp_run):
+    coded = flat_index((16, 8), CODE_COORDS)
+    for rank, data in enumerate(ddp_run[0]):
+        for step, params in [*data["steps"], ("end", data["final"])]:
+            w = params["encoder.weight"].reshape(-1)[coded]
+            q = torch.round(w / 2.0**-6)
+            assert torch.equal(w, q * 2.0**-6), f"off the code's grid on rank {rank} after step {step}"
+            pattern = q.long() & 0xFF
+            assert torch.equal(pattern & 0x81, torch.ones_like(pattern)), f"stuck code bits on rank {rank}, {step}"
 
 
 def test_ddp_ranks_identical_after_every_step(ddp_run):

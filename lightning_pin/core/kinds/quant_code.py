@@ -104,7 +104,10 @@ class QuantCode:
         scale = config.get("scale")
         if isinstance(scale, Sequence) and not isinstance(scale, str):
             scale = torch.tensor([float(s) for s in scale], dtype=torch.float64)
-        return cls(**{**{k: config[k] for k in names if k in config}, **({"scale": scale} if "scale" in config else {})})
+        fields = {k: config[k] for k in names if k in config}
+        if "scale" in config:
+            fields["scale"] = scale
+        return cls(**fields)
 
     @property
     def qmin(self) -> int:
@@ -136,10 +139,9 @@ class QuantCode:
             scale = f"tensor({scale.tolist()})" if scale.numel() <= 6 else f"tensor(shape={tuple(scale.shape)})"
         else:
             scale = repr(scale)
-        extra = "".join(
-            f", {name}={getattr(self, name)!r}" for name, default in (("zero_point", 0), ("axis", None), ("signed", True))
-            if getattr(self, name) != default
-        )
+        defaults = (("zero_point", 0), ("axis", None), ("signed", True))
+        extra = "".join(f", {name}={getattr(self, name)!r}" for name, default in defaults
+                        if getattr(self, name) != default)
         return f"QuantCode(bits={self.bits}, scale={scale}{extra})"
 
 
@@ -374,8 +376,9 @@ class QuantizedCode(Kind):
         if bool(clash.any()):
             at = _first(clash)
             flat = a_pos if a.index is None else a.index.cpu().long()[a_pos]
+            element = _coords(a.parameter, None, int(flat[at]))
             raise PinError(f"{first!r} and {second!r} stick code bits {int((zero & one)[at]):#x} of element "
-                           f"{_coords(a.parameter, None, int(flat[at]))} of {name!r} at 0 and at 1 at overlapping steps")
+                           f"{element} of {name!r} at 0 and at 1 at overlapping steps")
 
     @classmethod
     def merge(cls, name: str, parameter: nn.Parameter, entries: Sequence[Selection]) -> QuantizedCode:
