@@ -497,3 +497,18 @@ def test_torch_ao_qat_reads_the_faulty_codes_the_pins_hold():
             where = tuple(pins[0].indices.T)
             assert torch.equal(fake(weight)[where], weight[where])  # the forward sees the pinned faulty weights
         handle.verify()
+
+
+def test_a_code_from_a_config_mapping_is_the_same_pin():
+    built = Pin("fc1.weight", indices=[(0, 1)], stuck_at_one=0x1, code=QuantCode(bits=4, scale=0.25, axis=None))
+    from_config = Pin.from_config({"params": "fc1.weight", "indices": [(0, 1)], "stuck_at_one": 0x1,
+                                   "code": {"bits": 4, "scale": 0.25}})
+    assert isinstance(from_config.code, QuantCode) and from_config.fingerprint() == built.fingerprint()
+    assert Pin("fc1.weight", stuck_at_one=0x1, code=QuantCode(bits=4, scale=0.5)).fingerprint() != built.fingerprint()
+    # Pins without a code keep the fingerprints (and checkpoint keys) they had before codes existed.
+    assert Pin("fc1.weight", indices=[(0, 1)], stuck_at_one=0x1).kind == "stuck_bits"
+    per_channel = Pin.from_config({"params": "fc1.weight", "stuck_at_one": 0x1,
+                                   "code": {"bits": 8, "scale": [0.5] * 8, "axis": 0}})
+    assert torch.equal(per_channel.code.scale, torch.full((8,), 0.5, dtype=torch.float64))
+    with pytest.raises(PinError, match="unknown keys \\['scales'\\]"):
+        Pin.from_config({"params": "fc1.weight", "code": {"bits": 8, "scales": 0.5}})

@@ -90,8 +90,9 @@ class Pin:
             ``(q' - zero_point) * scale`` with ``q' = (q & ~stuck_at_zero) | stuck_at_one`` on its code
             ``q``; the other code bits keep training.
 
-    A pin is one of three kinds: a value pin (the default: the element equals its target bit for
-    bit), a stuck-bit pin (``stuck_at_zero`` / ``stuck_at_one``) or a bounded pin (``bounds``).
+    A pin is one of four kinds: a value pin (the default: the element equals its target bit for
+    bit), a stuck-bit pin (``stuck_at_zero`` / ``stuck_at_one``), a quantized-code pin (``code``:
+    the stuck bits are bits of the element's integer code) or a bounded pin (``bounds``).
 
     At most one of ``indices``, ``mask`` and ``fraction`` may be given; none of them pins the
     whole tensor. Building a ``Pin`` checks nothing, since most checks need the model:
