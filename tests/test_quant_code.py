@@ -512,3 +512,27 @@ def test_a_code_from_a_config_mapping_is_the_same_pin():
     assert torch.equal(per_channel.code.scale, torch.full((8,), 0.5, dtype=torch.float64))
     with pytest.raises(PinError, match="unknown keys \\['scales'\\]"):
         Pin.from_config({"params": "fc1.weight", "code": {"bits": 8, "scales": 0.5}})
+
+
+def test_the_stored_comparison_agrees_with_the_kernel_for_per_channel_scales():
+    from lightning_pin.core import kinds
+    from lightning_pin.core.state import PinState
+
+    net, pins, _, _ = plain_loop("int4_per_channel", "adam", True, steps=3)
+    handle = pin(net, torch.optim.SGD(net.parameters(), lr=0.1), pins)
+    saved = PinState.from_dict(handle.engine.pin_state().to_dict()).pins[0]["fc1.weight"]
+    handle.remove()
+    kind = kinds.of(saved.kind)
+    values = net.fc1.weight.detach().reshape(-1)[saved.index.long()].clone()
+    off, _ = kind.stored_off(values, saved)
+    assert not bool(off.any())
+    # A stuck bit undone in an element of an odd channel (scale 2**-4): found there, read with that scale.
+    at = int((saved.channel % 2 == 1).to(torch.int8).argmax())
+    s = PER_CHANNEL[int(saved.channel[at])]
+    assert s == 2.0**-4
+    q = int(torch.round(values[at] / s)) & 0xF
+    stuck = int(saved.stuck_at_zero[at]) | int(saved.stuck_at_one[at])
+    q ^= 1 << (stuck.bit_length() - 1)
+    values[at] = (q - 16 if q & 0x8 else q) * s
+    off, expected = kind.stored_off(values, saved)
+    assert off.nonzero().reshape(-1).tolist() == [at] and "wrong: 0x" in expected(at)
