@@ -536,3 +536,25 @@ def test_the_stored_comparison_agrees_with_the_kernel_for_per_channel_scales():
     values[at] = (q - 16 if q & 0x8 else q) * s
     off, expected = kind.stored_off(values, saved)
     assert off.nonzero().reshape(-1).tolist() == [at] and "wrong: 0x" in expected(at)
+
+
+def test_drift_measures_how_far_the_optimizer_moved_the_faulty_weights():
+    torch.manual_seed(0)
+    net, code = Net(), QuantCode(bits=8, scale=2.0**-6)
+    pins = faulty_pins(net, code)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    with pin(net, opt, pins) as handle:
+        stats = []
+        handle.engine.register_restore_hook(stats.append, wants_stats=lambda: True)
+        before = net.fc1.weight.detach().clone()
+        x, y = data(0)
+        nn.functional.mse_loss(net(x), y).backward()
+        moved = (net.fc1.weight.grad * 0.5).reshape(-1)
+        opt.step()
+        flat = torch.tensor(sorted(codes_held(net, pins)))
+        # The weights the step wrote, before the restore: exactly before - lr * grad (plain SGD).
+        written = before.reshape(-1)[flat] - moved[flat]
+        held = net.fc1.weight.detach().reshape(-1)[flat]
+        (last,) = stats
+        assert torch.equal(last.drift_max, (written.double() - held.double()).abs().max().float())
+        assert float(last.drift_max) > 0 and int(last.violations) == 0

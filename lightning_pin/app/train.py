@@ -262,7 +262,7 @@ def build_pins(pin_cfg: DictConfig, model: torch.nn.Module, announce: bool = Fal
     pins = [realize(Pin.from_config(entry), model) for entry in entries]
     if "rate" in pin_cfg.keys() and "kind" in pin_cfg.keys():  # pin=faults
         options = ("low", "high", "sa1_fraction", "cell_high", "bits", "one_fraction", "code_bits")
-        drawn = {key: _plain(pin_cfg[key]) for key in options if key in pin_cfg.keys()}
+        drawn = {key: _plain(pin_cfg[key]) for key in options}
         params = expand_params(_plain(pin_cfg.params), model)
         pins += draw_faults(model, pin_cfg.kind, pin_cfg.rate, pin_cfg.seed, params, **drawn)
     # keys(), not `in`: `in` is False for a missing value (???), which must fail here, not be skipped.
