@@ -54,3 +54,32 @@ def test_lightning_pin_faults_with_code_bits(tmp_path, fork_runner, capsys):
     assert cli.main(["faults", "--kind", "bit", "--code-bits", "20", "--out", str(tmp_path / "x")]) == 2
     assert "codes have 2 to 16 bits" in capsys.readouterr().err
     assert not Path(tmp_path / "x").exists()
+
+
+def test_a_test_time_campaign_with_code_bits_reads_the_codes(tmp_path, fork_runner):
+    out = tmp_path / "study"
+    args = [sys.executable, "-m", "lightning_pin.cli", "faults", "--kind", "bit", "--code-bits", "8", "--rates",
+            "0,0.02", "--seeds", "1", "--no-retrain", "--out", str(out), *TINY]
+    result = run(args, cwd=tmp_path, runner=fork_runner, timeout=400)
+    assert result.returncode == 0, result.output
+    rows = {float(r["rate"]): r for r in csv.DictReader((out / "fault_curve.csv").open())}
+    assert rows[0.0]["forced"] == rows[0.0]["baseline"] and int(rows[0.02]["pinned_elements"]) > 0
+
+
+def test_quantize_codes_gives_each_weight_its_own_per_channel_code():
+    from lightning_pin.faults import quantize_codes
+    from lightning_pin.faults.quantize import weight_code
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    x = torch.randn(5, 6)
+    deq = []
+    for layer in (net[0], net[2]):
+        w = layer.weight.detach()
+        s = (w.abs().amax(dim=1) / 127).reshape(-1, 1)
+        deq.append(torch.clamp(torch.round(w / s), -128, 127) * s)
+        assert torch.equal(weight_code(w, 8).scale, s.reshape(-1))
+    expected = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, deq[0], net[0].bias)), deq[1],
+                                          net[2].bias)
+    handles = quantize_codes(net, "*.weight", 8)
+    assert len(handles) == 2 and torch.equal(net(x), expected)

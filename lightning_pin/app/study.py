@@ -840,6 +840,10 @@ class ForcedCampaign:
                                                                "one_fraction", "code_bits") if pin.get(key) is not None}
         monitor = template.callbacks.pin_callback.get("monitor") or {}
         self.tolerance = monitor.get("tolerance") if hasattr(monitor, "get") else None
+        if self._options.get("code_bits") is not None:  # integer codes: the forward reads them, baseline included
+            from lightning_pin.faults import quantize_codes
+
+            quantize_codes(self.model, self._params, self._options["code_bits"])
         self.baseline = self.evaluate() if evaluate else None
 
     def evaluate(self) -> float:

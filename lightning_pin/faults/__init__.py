@@ -24,7 +24,7 @@ from lightning_pin.faults.bits import bit_faults, bit_positions
 from lightning_pin.faults.cells import cell_faults
 from lightning_pin.faults.fault_map import load_fault_map, save_fault_map
 from lightning_pin.faults.flips import BitFlips, WordPatch, changed_bits, flip_bits, forced_patch
-from lightning_pin.faults.quantize import QuantizeHandle, quantize
+from lightning_pin.faults.quantize import QuantizeHandle, quantize, quantize_codes
 
 __all__ = [
     "BitFlips",
@@ -39,5 +39,6 @@ __all__ = [
     "forced_patch",
     "load_fault_map",
     "quantize",
+    "quantize_codes",
     "save_fault_map",
 ]

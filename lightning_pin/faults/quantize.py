@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds.quant_code import QuantCode, compute_dtype, named_scale
-from lightning_pin.faults._common import Params, floating_parameters
+from lightning_pin.faults._common import Params, exact_pattern, floating_parameters
 
 
 class _RoundSTE(torch.autograd.Function):
@@ -142,6 +142,14 @@ def weight_code(weight: Tensor, bits: int, name: str = "") -> QuantCode:
     largest = rows.abs().amax(dim=1).float().cpu()
     scale = torch.where(largest > 0, largest / ((1 << (bits - 1)) - 1), torch.ones_like(largest))
     return QuantCode(bits=bits, scale=scale, axis=0 if weight.ndim else None)
+
+
+def quantize_codes(module: nn.Module, params: Params, bits: int) -> list[QuantizeHandle]:
+    """:func:`quantize` each parameter ``params`` matches with its own :func:`weight_code` of ``bits`` bits
+    (the codes ``bit_faults(..., code=bits)`` draws over, while the weights stay as they are now)."""
+    named = floating_parameters(module, params, "quantize")
+    return [quantize(module, exact_pattern(name), weight_code(parameter, bits, name))
+            for name, parameter in named.items()]
 
 
 def quantize_pins(module: nn.Module, pins: Any) -> list[QuantizeHandle]:
