@@ -10,6 +10,8 @@ faults for a module and return plain :class:`~lightning_pin.Pin` lists, to give 
   ``rate`` (a bit error rate of SRAM / DRAM weight memory); the other bits keep training;
 - :func:`flip_bits`: transient flips: each (element, bit) pair flips with probability ``rate``
   while a ``with`` block evaluates the model, and the words are restored exactly on exit;
+- :func:`neuron_faults`: a ``rate`` fraction of the channels (or output positions) of chosen
+  modules stuck at 0, at saturation or at seeded values in every forward (:class:`~lightning_pin.NeuronPin`);
 - :func:`save_fault_map` / :func:`load_fault_map`: one file format for stuck values, stuck bits
   and bounds per parameter name, so a chip's measured fault map can be pinned as it is.
 
@@ -22,6 +24,7 @@ from lightning_pin.faults.bits import bit_faults, bit_positions
 from lightning_pin.faults.cells import cell_faults
 from lightning_pin.faults.fault_map import load_fault_map, save_fault_map
 from lightning_pin.faults.flips import BitFlips, WordPatch, changed_bits, flip_bits, forced_patch
+from lightning_pin.faults.neurons import neuron_faults
 
 __all__ = [
     "BitFlips",
@@ -34,5 +37,6 @@ __all__ = [
     "flip_bits",
     "forced_patch",
     "load_fault_map",
+    "neuron_faults",
     "save_fault_map",
 ]
