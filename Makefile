@@ -9,6 +9,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+# torchvision built for that torch (model=torchvision, data=cifar10): installed beside it from the same CPU index.
+# From the default index it is not: PyPI's torchvision is a CUDA build that does not load beside a CPU-only torch,
+# and the recipes' tests then skip saying so.
+VISION_SPEC ?= torchvision==0.28.0
 TORCH_INDEX ?= cpu
 ifeq ($(TORCH_INDEX),cpu)
 TORCH_URL := https://download.pytorch.org/whl/cpu
@@ -30,7 +34,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || { \
 	  { test -n "$(TORCH_URL)" && \
-	    $(PY) -m pip install -q --timeout 5 --retries 0 --index-url "$(TORCH_URL)" "$(TORCH_SPEC)"; } || \
+	    $(PY) -m pip install -q --timeout 5 --retries 0 --index-url "$(TORCH_URL)" "$(TORCH_SPEC)" && \
+	    { $(PY) -m pip install -q --timeout 5 --retries 0 --index-url "$(TORCH_URL)" "$(VISION_SPEC)" || \
+	      echo "make: no $(VISION_SPEC) from $(TORCH_URL); model=torchvision and data=cifar10 need it"; }; } || \
 	  { test -z "$(TORCH_URL)" || echo "make: no $(TORCH_SPEC) from $(TORCH_URL); trying the default index"; \
 	    $(PY) -m pip install -q "$(TORCH_SPEC)"; }; }
 	$(PY) -m pip install -q -e ".[dev,app,export,tune,cluster]"

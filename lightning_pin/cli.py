@@ -6,9 +6,9 @@
     lightning-pin check PINNED FILE...  # do the saved pins hold in exported models?
     lightning-pin export RUN_DIR [--to FILE.safetensors|FILE.onnx]   # an app run's pinned model, exported
     lightning-pin faults [--kind K] [--rates R1,R2] [--seeds N] [--no-retrain] [--jobs J] [--launcher L] [--out DIR]
-                         [OVERRIDES]
+                         [--config-dir DIR] [OVERRIDES]
                                         # accuracy against the fault rate, forced and retrained (a study)
-    lightning-pin tune [--trials N] [--param KEY=SPEC] [--objectives final:max,...] [OVERRIDES]
+    lightning-pin tune [--trials N] [--param KEY=SPEC] [--objectives final:max,...] [--config-dir DIR] [OVERRIDES]
                                         # Optuna >= 3 over the app (SQLite, pruning, NSGA-II Pareto front)
 
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train",
         help=SUMMARIES["train"] + " (Hydra overrides follow)",
-        description="Same as python -m lightning_pin.train; see `lightning-pin train --help` for Hydra's help.",
+        description="Same as python -m lightning_pin.train (--config-dir DIR adds your config directory); see "
+        "`lightning-pin train --help` for Hydra's help.",
     )
     train.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides, -m for a multirun, --cfg job, ...")
 
@@ -134,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run the jobs through a Hydra multirun on this launcher instead: joblib, submitit_local, "
                         "submitit_slurm (with its hydra.launcher.* overrides)")
     faults.add_argument("--out", help="the study's directory (default: outputs/faults/<date>/<time>)")
+    faults.add_argument("--config-dir", metavar="DIR", help="a config directory of your own (DIR/model/NAME.yaml, "
+                        "DIR/data/NAME.yaml): model=NAME data=NAME then choose from it")
     faults.add_argument("overrides", nargs="*", help="Hydra overrides for every job (recovery=distill, optimizer=sgd)")
 
     tune = commands.add_parser(
@@ -158,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--study-name", default="lightning_pin")
     tune.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     tune.add_argument("--no-prune", action="store_true", help="never prune a trial (single objective)")
+    tune.add_argument("--config-dir", metavar="DIR", help="a config directory of your own (DIR/model/NAME.yaml, "
+                      "DIR/data/NAME.yaml): model=NAME data=NAME then choose from it")
     tune.add_argument("overrides", nargs="*", help="Hydra overrides for every trial (pin=faults, ckpt_path=...)")
 
     check = commands.add_parser(
@@ -192,15 +198,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _cwd_importable()
     if argv[:1] == ["train"]:
         return _train(argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command not in TAKES_OVERRIDES and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command in TAKES_OVERRIDES:
-        return COMMANDS[args.command](args, extra)
-    return COMMANDS[args.command](args)
+    try:
+        if args.command in TAKES_OVERRIDES:
+            return COMMANDS[args.command](args, extra)
+        return COMMANDS[args.command](args)
+    except _BadOption as err:
+        return _fail(args.command, str(err))
+
+
+def _cwd_importable() -> None:
+    """The current directory on ``sys.path``, as ``python -m`` has it: your ``model._target_`` imports from it.
+
+    A console script's ``sys.path[0]`` is the script's own directory, not the one it was started from.
+    """
+    cwd = os.getcwd()
+    if cwd not in (os.path.abspath(p or os.curdir) for p in sys.path):
+        sys.path.insert(0, cwd)
 
 
 def _train(overrides: Sequence[str]) -> int:
@@ -274,7 +294,7 @@ def _faults(args: argparse.Namespace, extra: Sequence[str]) -> int:
         study = Study(kind=args.kind, rates=parse_rates(args.rates), seeds=args.seeds, per_layer=args.per_layer,
                       layer_rate=args.layer_rate, jobs=args.jobs, out=args.out, no_retrain=args.no_retrain,
                       launcher=args.launcher, overrides=(*args.overrides, *extra),
-                      **({"config_dir": args.config_dir} if getattr(args, "config_dir", None) else {}))
+                      config_dir=_config_dir(args.config_dir))
         status = run_study(study)
     except StudyError as err:
         return _fail("faults", str(err))
@@ -302,8 +322,13 @@ def _tune(args: argparse.Namespace, extra: Sequence[str]) -> int:
         from lightning_pin.app.tune import Objective, Param, Tune, TuneError, run_tune
     except ImportError as err:
         return _fail("tune", f"{err}: pip install 'lightning-pin[tune]' (optuna >= 3)")
+    from hydra.errors import HydraException
+
+    from lightning_pin.app.compose import with_config_dir
+    from lightning_pin.app.custom import ConfigError
+
     try:
-        overrides = (*args.overrides, *extra)
+        overrides = tuple(with_config_dir((*args.overrides, *extra), _config_dir(args.config_dir)))
         unknown = [o for o in overrides if o.startswith("-")]
         if unknown:
             raise TuneError(f"unknown option {unknown[0]!r}")
@@ -311,8 +336,22 @@ def _tune(args: argparse.Namespace, extra: Sequence[str]) -> int:
                     objectives=Objective.parse_all(args.objectives), out=args.out, study_name=args.study_name,
                     seed=args.seed, prune=not args.no_prune, overrides=overrides)
         return run_tune(tune)
-    except TuneError as err:
+    except (TuneError, ConfigError, HydraException) as err:
         return _fail("tune", str(err))
+
+
+def _config_dir(path: Optional[str]) -> Optional[str]:
+    """``--config-dir DIR`` as an absolute path (the jobs may run elsewhere); exit 2 when it is no directory."""
+    if path is None:
+        return None
+    absolute = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(absolute):
+        raise _BadOption(f"--config-dir {path}: no such directory (it should hold model/NAME.yaml, data/NAME.yaml)")
+    return absolute
+
+
+class _BadOption(ValueError):
+    """A bad option of a command, reported by :func:`main` in one line (exit 2)."""
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -333,11 +372,12 @@ def _export(args: argparse.Namespace) -> int:
     from lightning_pin.core.errors import PinError
 
     try:
+        from lightning_pin.app.custom import ConfigError
         from lightning_pin.app.export import export_run
 
         to = args.to or Path(args.run_dir) / DEFAULT_EXPORT
         path = export_run(args.run_dir, to, force=args.force)
-    except (PinError, ImportError, OSError) as err:
+    except (PinError, ConfigError, ImportError, OSError) as err:
         return _fail("export", str(err))
     print(f"wrote {path}; verify it with: lightning-pin check {Path(args.run_dir) / 'pinned.ckpt'} {path}")
     return 0

@@ -28,7 +28,9 @@ SHORT = [
 # Options the table names that run elsewhere: a GPU needs a GPU, ddp_sim spawns two processes and
 # Optuna is a sweeper (tests/test_train_app.py runs both through the real command).
 # experiment=continual trains tasks in sequence and has a summary of its own (tests/test_tasks_app.py).
-ELSEWHERE = {("trainer", "gpu"), ("trainer", "ddp_sim"), ("hparams_search", "optuna"), ("experiment", "continual")}
+# Your own model and data (custom) and the torchvision recipes run in tests/test_custom_model.py.
+ELSEWHERE = {("trainer", "gpu"), ("trainer", "ddp_sim"), ("hparams_search", "optuna"), ("experiment", "continual"),
+             ("model", "custom"), ("data", "custom"), ("model", "torchvision"), ("data", "cifar10")}
 # Building blocks, not options: the base the trainer options extend, and the callbacks that the
 # callbacks options combine (one more is added as the table says: 'callbacks=[default,early_stopping]').
 BLOCKS = {

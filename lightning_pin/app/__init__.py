@@ -10,6 +10,8 @@
   and fault maps read from files, for pins that need the model to be built;
 - :mod:`lightning_pin.app.schedules`: ``when`` schedules for per-task pinning;
 - :mod:`lightning_pin.app.fault_pins`: the faults of one study job from (kind, rate, seed) (``pin=faults``);
+- :mod:`lightning_pin.app.custom` and :mod:`lightning_pin.app.metric`: your own model and data in the app
+  (``model=custom model._target_=PKG.CLASS``), and the metric it logs as the tracked one (``metric=``);
 - :mod:`lightning_pin.app.study` (``lightning-pin faults``) and :mod:`lightning_pin.app.tune`
   (``lightning-pin tune``): studies and searches over the app's jobs.
 """

@@ -64,8 +64,23 @@ class SyntheticDataConfig:
     num_workers: int = 0
 
 
+@dataclass
+class CIFAR10DataConfig:
+    """:class:`~lightning_pin.app.data.CIFAR10DataModule`: torchvision's CIFAR-10 (``download`` into ``data_dir``)."""
+
+    _target_: str = "lightning_pin.app.data.CIFAR10DataModule"
+    data_dir: str = MISSING
+    download: bool = True
+    batch_size: int = 128
+    val_batch_size: int = 512
+    num_workers: int = 0
+    #: The torchvision data set class (tests put ``torchvision.datasets.FakeData`` in through a wrapper).
+    dataset: str = "torchvision.datasets.CIFAR10"
+
+
 # ----------------------------------------------------------------------------------------------
-# model/: a Classifier around one backbone (the optimizer comes from optimizer/)
+# model/: a Classifier around one backbone (the optimizer comes from optimizer/). ``model=custom``
+# has no schema: your class gets exactly the keys you give it (see lightning_pin.app.custom).
 
 
 @dataclass
@@ -122,6 +137,19 @@ class MLPClassifierConfig(ClassifierConfig):
 @dataclass
 class TransformerClassifierConfig(ClassifierConfig):
     backbone: TinyTransformerConfig = field(default_factory=TinyTransformerConfig)
+
+
+@dataclass
+class TorchvisionClassifierConfig:
+    """:func:`~lightning_pin.app.models.torchvision_classifier`: any torchvision classification model by name."""
+
+    _target_: str = "lightning_pin.app.models.torchvision_classifier"
+    name: str = "resnet18"
+    num_classes: int = 10
+    #: torchvision's weights name (``DEFAULT``, ``IMAGENET1K_V1``): downloaded, so null here.
+    weights: Optional[str] = None
+    scheduler: Any = None
+    scheduler_interval: str = "epoch"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,6 +410,8 @@ class PathsConfig:
     output_dir: str = MISSING
     #: The directory the command was started from (relative paths in configs are taken from it).
     work_dir: str = MISSING
+    #: Where data sets that are downloaded live (data=cifar10).
+    data_dir: str = MISSING
 
 
 @dataclass
@@ -442,6 +472,11 @@ class TrainConfig:
     torch_threads: Optional[int] = None
     #: The run summary key returned to sweepers (Optuna maximizes or minimizes it).
     optimized_metric: str = "final"
+    #: The validation metric behind baseline / forced / final: a name the model logs (the app's classifier logs
+    #: val_acc and val_loss).
+    metric: str = "val_acc"
+    #: ``max`` (higher is better) or ``min`` (a loss, an error).
+    metric_mode: str = "max"
     #: Set (by ``experiment=continual``): learn tasks in sequence with task ownership instead.
     continual: Optional[ContinualConfig] = None
     #: Return the saved summary of a job whose directory already holds run_summary.json (resuming a sweep).
@@ -449,12 +484,13 @@ class TrainConfig:
 
 
 _SCHEMAS: dict[str, dict[str, type]] = {
-    "schema/data": {"digits": DigitsDataConfig, "synthetic": SyntheticDataConfig},
+    "schema/data": {"digits": DigitsDataConfig, "synthetic": SyntheticDataConfig, "cifar10": CIFAR10DataConfig},
     "schema/model": {
         "classifier": ClassifierConfig,
         "cnn": CNNClassifierConfig,
         "mlp": MLPClassifierConfig,
         "transformer": TransformerClassifierConfig,
+        "torchvision": TorchvisionClassifierConfig,
     },
     "schema/optimizer": {
         "sgd": SGDConfig,
@@ -482,11 +518,15 @@ _SCHEMAS: dict[str, dict[str, type]] = {
 
 
 def register_configs() -> None:
-    """Store the schemas in Hydra's ConfigStore, under ``schema/<group>/<name>``.
+    """Store the schemas in Hydra's ConfigStore, under ``schema/<group>/<name>``, and register the
+    ``default_pins`` resolver the pin options use (:func:`lightning_pin.app.custom.default_pins`).
 
     Call before Hydra composes (``lightning_pin.train`` does it on import; tests using Hydra's
     compose API call it themselves). Storing twice replaces, so repeated calls are harmless.
     """
+    from lightning_pin.app.custom import register_resolver
+
+    register_resolver()  # ${default_pins:...} of conf/pin/*.yaml
     store = ConfigStore.instance()
     for group, nodes in _SCHEMAS.items():
         for name, node in nodes.items():

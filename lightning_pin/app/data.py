@@ -147,3 +147,69 @@ class SyntheticDataModule(_SplitDataModule):
         y = torch.arange(self.num_samples) % self.num_classes
         x = centres[y] + self.noise * torch.randn(self.num_samples, *self.input_shape, generator=generator)
         return x, y
+
+
+class CIFAR10DataModule(L.LightningDataModule):
+    """torchvision's CIFAR-10: 50,000 training and 10,000 test images of ``3 x 32 x 32``, 10 classes.
+
+    The test split is the validation set. Images are scaled to [0, 1] and normalized with the
+    training set's per-channel mean and standard deviation. ``download=True`` fetches the data into
+    ``data_dir`` once (on machines with the internet); ``dataset`` names the class that reads it, so
+    another torchvision data set of the same signature (``root, train, transform, download``) fits.
+
+    Args:
+        data_dir: Where the data is (or is downloaded to).
+        download: Download it when it is not there.
+        batch_size, val_batch_size, num_workers: As in :class:`DigitsDataModule`.
+        dataset: Import path of the data set class.
+    """
+
+    num_classes = 10
+    input_shape = (3, 32, 32)
+    MEAN = (0.4914, 0.4822, 0.4465)
+    STD = (0.2470, 0.2435, 0.2616)
+
+    def __init__(
+        self,
+        data_dir: str = "data",
+        download: bool = True,
+        batch_size: int = 128,
+        val_batch_size: int = 512,
+        num_workers: int = 0,
+        dataset: str = "torchvision.datasets.CIFAR10",
+    ) -> None:
+        super().__init__()
+        self.data_dir = data_dir
+        self.download = download
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size
+        self.num_workers = num_workers
+        self.dataset = dataset
+        self.train_set = None
+        self.val_set = None
+
+    def _dataset_class(self):
+        from hydra.utils import get_class
+
+        return get_class(self.dataset)
+
+    def prepare_data(self) -> None:
+        if self.download:
+            for train in (True, False):
+                self._dataset_class()(root=self.data_dir, train=train, download=True)
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_set is not None:
+            return
+        from torchvision import transforms
+
+        transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(self.MEAN, self.STD)])
+        cls = self._dataset_class()
+        self.train_set = cls(root=self.data_dir, train=True, transform=transform, download=False)
+        self.val_set = cls(root=self.data_dir, train=False, transform=transform, download=False)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.val_batch_size, shuffle=False, num_workers=self.num_workers)

@@ -12,7 +12,7 @@ parameters keep the checkpoint's names (``backbone.features.0.weight``), so ``ch
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
+from typing import Any, Optional, Union
 
 import torch
 from hydra.utils import instantiate
@@ -41,8 +41,7 @@ def load_run_model(run_dir: Union[str, Path], checkpoint: str = "pinned.ckpt") -
                 f"(it needs {what}); pass outputs/<date>/<time>"
             )
     cfg = OmegaConf.load(config)
-    # The optimizer is a training concern: the model is built without it (Classifier's default).
-    model = instantiate(cfg.model, _convert_="all")
+    model = _rebuild(cfg, run_dir)
     try:
         state = load_checkpoint(ckpt)["state_dict"]
     except (TensorFileError, KeyError) as err:
@@ -54,11 +53,58 @@ def load_run_model(run_dir: Union[str, Path], checkpoint: str = "pinned.ckpt") -
     return model.eval()
 
 
+def _rebuild(cfg: Any, run_dir: Path) -> torch.nn.Module:
+    """The run's model, built from its config as the app built it (your own class included).
+
+    Your classes are imported from the directory the run was started in (``.hydra/hydra.yaml``), as
+    the run imported them.
+
+    Raises:
+        PinError: the model's class is no longer importable, or no longer takes the run's keys.
+    """
+    from lightning_pin.app.custom import ConfigError, build_model, is_app_model
+
+    if is_app_model(cfg.model):
+        # The optimizer is a training concern: the app's models are built without it (Classifier's default).
+        return instantiate(cfg.model, _convert_="all")
+    work_dir = _run_work_dir(run_dir)
+    try:
+        # A model that takes an optimizer gets the run's (a partial: nothing is built from it here).
+        optimizer = instantiate(cfg.optimizer, _convert_="all") if cfg.get("optimizer") is not None else None
+        return build_model(cfg, optimizer, work_dir=work_dir, announce=False).model
+    except ConfigError as err:
+        raise PinError(f"cannot rebuild the model of {run_dir}: {err}") from None
+
+
+def _run_work_dir(run_dir: Path) -> Optional[str]:
+    """The directory the run was started from (Hydra's ``runtime.cwd``), if it recorded it."""
+    hydra_yaml = Path(run_dir) / ".hydra" / "hydra.yaml"
+    if not hydra_yaml.is_file():
+        return None
+    cwd = OmegaConf.select(OmegaConf.load(hydra_yaml), "hydra.runtime.cwd", default=None)
+    return str(cwd) if cwd else None
+
+
 def example_input(run_dir: Union[str, Path]) -> torch.Tensor:
-    """One input of the shape the run's model reads (``1 x in_channels x image_size x image_size``)."""
-    backbone = OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml").model.backbone
-    channels, size = backbone.get("in_channels", 1), backbone.get("image_size", 8)
-    return torch.zeros(1, channels, size, size)
+    """One input of the shape the run's model reads.
+
+    The app's backbones: ``1 x in_channels x image_size x image_size``; any other model: the first
+    sample of the run's validation data (its DataModule rebuilt from the config).
+    """
+    cfg = OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml")
+    backbone = cfg.model.get("backbone")
+    if backbone is not None and "image_size" in backbone:
+        channels, size = backbone.get("in_channels", 1), backbone.get("image_size", 8)
+        return torch.zeros(1, channels, size, size)
+    from lightning_pin.app.custom import build_datamodule
+
+    work_dir = _run_work_dir(Path(run_dir))
+    cfg.paths.work_dir = work_dir or "."  # ${hydra:...} does not resolve outside the run
+    data = build_datamodule(cfg, work_dir=work_dir)
+    data.setup("validate")
+    batch = next(iter(data.val_dataloader()))
+    x = batch[0] if isinstance(batch, (list, tuple)) else batch
+    return torch.zeros_like(x[:1])
 
 
 def check_destination(to: Path, force: bool = False) -> None:

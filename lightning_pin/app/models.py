@@ -187,3 +187,49 @@ class TinyTransformer(nn.Module):
         tokens = x.permute(0, 2, 1, 3).flatten(2)
         hidden = self.encoder(self.embed(tokens) + self.position)
         return self.head(self.norm(hidden.mean(1)))
+
+
+def torchvision_model(name: str = "resnet18", num_classes: int = 10, weights: Optional[str] = None,
+                      **kwargs: Any) -> nn.Module:
+    """Any torchvision classification model by name (``resnet18``, ``mobilenet_v3_small``, ``vit_b_16``).
+
+    ``num_classes`` sets the head (with ``weights``, torchvision's pretrained head must match it).
+    The returned module records ``num_classes``, which the app checks against the data's.
+
+    Raises:
+        ImportError: torchvision is not installed, or does not load beside this torch (a build for
+            another torch or CUDA version), with the fix.
+        ValueError: torchvision has no classification model ``name``.
+    """
+    try:
+        import torchvision
+    except Exception as err:  # a torchvision built for another torch fails at import with a RuntimeError
+        raise ImportError(
+            f"model=torchvision needs torchvision built for torch {torch.__version__} "
+            f"({type(err).__name__}: {' '.join(str(err).split())}): pip install 'lightning-pin[vision]' "
+            "from the index your torch came from"
+        ) from None
+    available = torchvision.models.list_models(module=torchvision.models)
+    if name not in available:
+        raise ValueError(f"model.backbone.name={name!r} is not a torchvision classification model: one of "
+                         f"{', '.join(sorted(available)[:12])}, ...")
+    model = torchvision.models.get_model(name, weights=weights, num_classes=num_classes, **kwargs)
+    model.num_classes = num_classes
+    return model
+
+
+def torchvision_classifier(
+    name: str = "resnet18",
+    num_classes: int = 10,
+    weights: Optional[str] = None,
+    optimizer: Optional[OptimizerFactory] = None,
+    scheduler: Optional[SchedulerFactory] = None,
+    scheduler_interval: str = "epoch",
+) -> Classifier:
+    """A :class:`Classifier` around :func:`torchvision_model` (``model=torchvision model.name=resnet18``).
+
+    Raises:
+        ImportError, ValueError: as :func:`torchvision_model`.
+    """
+    backbone = torchvision_model(name, num_classes=num_classes, weights=weights)
+    return Classifier(backbone, optimizer=optimizer, scheduler=scheduler, scheduler_interval=scheduler_interval)

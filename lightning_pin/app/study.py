@@ -195,6 +195,10 @@ def _run(study: Study, out: Path, progress: "Progress") -> int:
         from lightning_pin.app import train  # noqa: F401  (the imports every job shares)
     with progress.stage("composing the job config"):
         template = _compose(study, _compose_overrides(study), out / JOBS_DIR / "template")
+    measured = (template.get("metric", "val_acc"), template.get("metric_mode", "max"))
+    if study.no_retrain and measured != ("val_acc", "max"):
+        raise StudyError(f"--no-retrain measures top-1 accuracy of the model's outputs, not metric={template.metric} "
+                         f"(metric_mode={template.metric_mode}): drop --no-retrain, or measure val_acc")
     out.mkdir(parents=True, exist_ok=True)
     _claim(out, study)
     log_path = out / LOG
@@ -367,11 +371,8 @@ def _compose(study: Study, overrides: Sequence[str], output_dir: Path) -> Any:
     from lightning_pin.app.compose import compose_app
     from lightning_pin.app.train import check_lengths
 
-    extra = []
-    if study.config_dir is not None:
-        extra = [f"hydra.searchpath=[file://{Path(study.config_dir).resolve()}]"]
     try:
-        cfg = compose_app([*overrides, *extra], output_dir.resolve())
+        cfg = compose_app(overrides, output_dir.resolve(), config_dir=study.config_dir)
         check_lengths(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as err:
         message = " ".join(str(err).split()) or type(err).__name__
@@ -466,7 +467,7 @@ def _baseline(study: Study, out: Path, log_path: Path, progress: Progress) -> Op
     directory.mkdir(parents=True, exist_ok=True)
     with progress.stage("baseline: pretraining once"):
         with _single_threaded(_forking(study)):
-            status = _in_process(cfg, log_path)
+            status = _in_process(cfg, log_path, refuse=True)
     if status != 0 or not ckpt.is_file():
         _show_failure(log_path, "the baseline's pretraining failed")
         return None
@@ -618,8 +619,10 @@ def _app_logging() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _in_process(cfg: Any, log_path: Path) -> int:
-    """Run one app job here, its output into ``log_path``; the exit status (1: it raised, traceback in the log)."""
+def _in_process(cfg: Any, log_path: Path, refuse: bool = False) -> int:
+    """Run one app job here, its output into ``log_path``; the exit status (1: it raised, traceback in the log).
+    ``refuse``: a target or metric of the user's that the app refuses (``ConfigError``) is a StudyError instead."""
+    from lightning_pin.app.custom import ConfigError
     from lightning_pin.app.train import run
 
     with _redirected(log_path), _app_logging():
@@ -627,6 +630,11 @@ def _in_process(cfg: Any, log_path: Path) -> int:
               f"into {cfg.paths.output_dir}", flush=True)
         try:
             run(cfg)
+        except ConfigError as err:  # your model's or data's target, or its metric: one line, exit 2
+            print(f"ConfigError: {err}", flush=True)
+            if refuse:
+                raise StudyError(str(err)) from None
+            return 1
         except Exception:
             traceback.print_exc()
             return 1
@@ -766,9 +774,15 @@ def _param_names(template: Any, ckpt: str) -> list[str]:
 
     import torch
 
+    from lightning_pin.app.custom import WEIGHTS_2D
+
     patterns = template.pin.params if not isinstance(template.pin.params, str) else [template.pin.params]
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    names = list(state.get("state_dict", state))
+    state = state.get("state_dict", state)
+    names = list(state)
+    if WEIGHTS_2D in patterns:  # a model of your own: every *.weight with two or more dimensions
+        patterns = [p for p in patterns if p != WEIGHTS_2D]
+        patterns += [n for n in names if n.endswith(".weight") and getattr(state[n], "ndim", 0) >= 2]
 
     def matches(name: str, pattern: str) -> bool:
         return re.fullmatch(pattern[3:], name) is not None if pattern.startswith("re:") else fnmatchcase(name, pattern)
@@ -794,6 +808,7 @@ class ForcedCampaign:
         import torch
         from hydra.utils import instantiate
 
+        from lightning_pin.app.custom import build_datamodule, build_model, expand_params
         from lightning_pin.app.train import load_weights
 
         self.template, self.ckpt, self.progress = template, ckpt, progress
@@ -802,7 +817,8 @@ class ForcedCampaign:
         #: The study's overrides, for the rows' ``recipe`` column.
         self.recipe = ""
         optimizer = instantiate(template.optimizer, _convert_="all")
-        self.model = instantiate(template.model, _partial_=True, _convert_="all")(optimizer=optimizer)
+        # Built as the app's jobs build it: a model of your own (any of the three kinds) and your data too.
+        self.model = build_model(template, optimizer, announce=False).model
         load_weights(self.model, ckpt)
         self.model.eval()
         self._reference = {n: p.detach().clone() for n, p in self.model.named_parameters()}
@@ -810,7 +826,7 @@ class ForcedCampaign:
         self.sizes = {n: p.numel() for n, p in self.model.named_parameters()}
         self.batches: list[Any] = []
         if evaluate:
-            datamodule = instantiate(template.data, _convert_="all")
+            datamodule = build_datamodule(template)
             datamodule.prepare_data()
             datamodule.setup("fit")
             loader = datamodule.val_dataloader()
@@ -819,7 +835,7 @@ class ForcedCampaign:
         self.torch = torch
         # Read once: OmegaConf lookups would cost more per draw than drawing a few faults.
         pin = template.pin
-        self._params = _plain(pin.params)
+        self._params = expand_params(_plain(pin.params), self.model)  # a model of your own: its 2+-dim weights
         self._options = {key: _plain(pin.get(key)) for key in ("low", "high", "sa1_fraction", "cell_high", "bits",
                                                                "one_fraction") if pin.get(key) is not None}
         monitor = template.callbacks.pin_callback.get("monitor") or {}

@@ -22,6 +22,7 @@ as ``lightning_pin/conf`` (see :func:`find_config_dir`); their schema is
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -45,6 +46,9 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_pin.app.config import register_configs
+from lightning_pin.app.custom import OWN_OPTIMIZER, BuiltModel, build_datamodule, build_model, expand_params
+from lightning_pin.app.custom import is_app_data, model_name, data_target
+from lightning_pin.app.metric import LoggedMetric, LoggedMetricMonitor, check_mode
 from lightning_pin.app.fault_pins import draw_faults, save_faults
 from lightning_pin.app.pins import fault_map_pins, realize
 from lightning_pin.app.sweep import RUN_SUMMARY
@@ -67,6 +71,8 @@ register_configs()
 
 # The data sets live in memory: loader workers would only add start-up time.
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
+# Small data sets of your own have epochs shorter than Lightning's logging interval; the app logs what it reports.
+warnings.filterwarnings("ignore", ".*is smaller than the logging interval.*")
 # Lightning 2.6 calls a torch pytree API that newer torch deprecates; nothing the user can act on.
 warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\).*")
 
@@ -160,6 +166,7 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
         return json.loads(finished.read_text())
     if cfg.optimized_metric not in OPTIMIZABLE:
         raise ValueError(f"optimized_metric={cfg.optimized_metric!r} is not one of {list(OPTIMIZABLE)}")
+    check_mode(cfg.metric, cfg.metric_mode)
     check_lengths(cfg)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
@@ -168,28 +175,31 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
     output_dir.mkdir(parents=True, exist_ok=True)
 
     # 1. Everything is built, and the pins resolved on the model, before the first step.
-    datamodule = instantiate(cfg.data, _convert_="all")
+    datamodule = build_datamodule(cfg)
     optimizer = instantiate(cfg.optimizer, _convert_="all")
     # Objects go in through partials: instantiate(node, **objects) would copy them into the config.
-    model = instantiate(cfg.model, _partial_=True, _convert_="all")(optimizer=optimizer)
+    built = build_model(cfg, optimizer)
+    model = built.model
     check_classes(model, datamodule)
     pins = build_pins(cfg.pin, model)
     plan = resolve(pins, model)  # raises PinError naming any pin that cannot be honoured
-    pin_callback = build_pin_callback(cfg, pins)
+    pin_callback = build_pin_callback(cfg, pins, built)
     others = [instantiate(node, _convert_="all") for name, node in cfg.callbacks.items() if name != "pin_callback"]
-    pretrainer = build_trainer(cfg, "pretrain", callbacks=[], max_epochs=cfg.pretrain.max_epochs)
-    trainer = build_trainer(cfg, "pinned", callbacks=[pin_callback, *others, *extra_callbacks])
+    pretrainer = build_trainer(cfg, "pretrain", callbacks=metric_callbacks(cfg, built, None),
+                               max_epochs=cfg.pretrain.max_epochs)
+    trainer = build_trainer(cfg, "pinned", callbacks=[pin_callback, *metric_callbacks(cfg, built, pin_callback),
+                                                      *others, *extra_callbacks])
 
     # 2. The model to pin.
     if cfg.ckpt_path:
         load_weights(model, cfg.ckpt_path)
         log.info(f"Loaded the model's weights from {cfg.ckpt_path} (no pretraining)")
     else:
-        log.info(f"Pretraining {type(model.backbone).__name__} without pins for {cfg.pretrain.max_epochs} epochs")
+        log.info(f"Pretraining {model_name(model)} without pins for {cfg.pretrain.max_epochs} epochs")
         pretrainer.fit(model, datamodule)
         pretrainer.save_checkpoint(output_dir / PRETRAINED_CKPT, weights_only=False)
     if cfg.pretrain.only:
-        summary = make_summary(cfg, {}, output_dir, seconds=time.perf_counter() - started)
+        summary = make_summary(cfg, {}, output_dir, seconds=time.perf_counter() - started, built=built)
         (output_dir / RUN_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
         log.info(f"Pretrained {output_dir / PRETRAINED_CKPT} (pretrain.only=true: no pinned retraining)")
         return summary
@@ -199,8 +209,9 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
         # freshly initialised one that step 1 checked them on.
         pins = build_pins(cfg.pin, model, announce=True)
         plan = resolve(pins, model)
-        pin_callback = build_pin_callback(cfg, pins)
-        trainer = build_trainer(cfg, "pinned", callbacks=[pin_callback, *others, *extra_callbacks])
+        pin_callback = build_pin_callback(cfg, pins, built)
+        trainer = build_trainer(cfg, "pinned", callbacks=[pin_callback, *metric_callbacks(cfg, built, pin_callback),
+                                                          *others, *extra_callbacks])
     if "rate" in cfg.pin.keys() and pins:
         save_faults(pins, model, output_dir / FAULT_MAP)  # what a study checks for common random numbers
 
@@ -215,7 +226,7 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
 
     # 5. The summary.
     report = pin_report(pin_callback, output_dir)
-    summary = make_summary(cfg, report, output_dir, seconds=time.perf_counter() - started)
+    summary = make_summary(cfg, report, output_dir, seconds=time.perf_counter() - started, built=built)
     summary["train_loss"] = _last_loss(trainer)
     classes = getattr(datamodule, "num_classes", None)
     chance = 1.0 / classes if classes and summary.get("metric") == "accuracy" else None
@@ -242,16 +253,23 @@ def build_pins(pin_cfg: DictConfig, model: torch.nn.Module, announce: bool = Fal
             ``model``, or the fault map is missing, unreadable or marks no faulty cell.
     """
     entries = instantiate(pin_cfg.pins, _convert_="all")
+    for entry in entries:
+        if isinstance(entry, dict) and "params" in entry:  # a model of your own: every *.weight of 2+ dims
+            entry["params"] = expand_params(entry["params"], model)
     pins = [realize(Pin.from_config(entry), model) for entry in entries]
     if "rate" in pin_cfg.keys() and "kind" in pin_cfg.keys():  # pin=faults
         options = ("low", "high", "sa1_fraction", "cell_high", "bits", "one_fraction")
         drawn = {key: _plain(pin_cfg[key]) for key in options}
-        pins += draw_faults(model, pin_cfg.kind, pin_cfg.rate, pin_cfg.seed, _plain(pin_cfg.params), **drawn)
+        params = expand_params(_plain(pin_cfg.params), model)
+        pins += draw_faults(model, pin_cfg.kind, pin_cfg.rate, pin_cfg.seed, params, **drawn)
     # keys(), not `in`: `in` is False for a missing value (???), which must fail here, not be skipped.
     if "fault_map" in pin_cfg.keys():
         pins += fault_map_pins(pin_cfg.fault_map)
     if pin_cfg.get("faults") is not None:
-        drawn = instantiate(pin_cfg.faults, _convert_="all")(model)
+        generator = instantiate(pin_cfg.faults, _convert_="all")
+        if isinstance(generator, functools.partial) and "params" in generator.keywords:
+            generator = functools.partial(generator, params=expand_params(generator.keywords["params"], model))
+        drawn = generator(model)
         if announce and getattr(drawn, "summary", None):
             log.info(drawn.summary)  # what was drawn, per parameter (announce: once, for the model retrained)
         pins += drawn
@@ -262,8 +280,12 @@ def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
-def build_pin_callback(cfg: DictConfig, pins: Sequence[Pin]) -> PinCallback:
+def build_pin_callback(cfg: DictConfig, pins: Sequence[Pin], built: Optional[BuiltModel] = None) -> PinCallback:
     """The :class:`~lightning_pin.PinCallback` of ``callbacks.pin_callback``, holding ``pins``.
+
+    Its monitor tracks ``metric`` as the model logs it (:class:`~lightning_pin.app.metric.LoggedMetricMonitor`)
+    unless the model is the app's classifier and ``metric=val_acc metric_mode=max``, which the
+    :class:`~lightning_pin.PinMonitor` measures itself (top-1 accuracy, as before).
 
     Raises:
         ValueError: the config has no ``callbacks.pin_callback``.
@@ -273,7 +295,35 @@ def build_pin_callback(cfg: DictConfig, pins: Sequence[Pin]) -> PinCallback:
             "callbacks.pin_callback is missing: the app retrains with the PinCallback it describes "
             "(callbacks=default has one)"
         )
-    return instantiate(cfg.callbacks.pin_callback, _partial_=True, _convert_="all")(pins=list(pins))
+    node = cfg.callbacks.pin_callback
+    if tracks_logged_metric(cfg, built):
+        node = OmegaConf.create(OmegaConf.to_container(node, resolve=True))
+        for key in ("accuracy", "higher_is_better", "name"):  # set from metric and metric_mode
+            node.monitor.pop(key, None)
+        node.monitor._target_ = f"{LoggedMetricMonitor.__module__}.{LoggedMetricMonitor.__name__}"
+        node.monitor.metric = cfg.metric
+        node.monitor.mode = cfg.metric_mode
+        node.monitor.model_name = built.target if built is not None else "the model"
+    return instantiate(node, _partial_=True, _convert_="all")(pins=list(pins))
+
+
+def tracks_logged_metric(cfg: DictConfig, built: Optional[BuiltModel]) -> bool:
+    """Whether baseline / forced / final are the logged ``metric`` (see :func:`build_pin_callback`)."""
+    from lightning_pin.app.models import Classifier
+
+    monitor = cfg.callbacks.get("pin_callback", {}).get("monitor") or {}
+    if monitor.get("accuracy") is not True:
+        return False  # no tracking, or a torchmetrics Metric of the user's choice
+    classifier = built is None or isinstance(built.model, Classifier)
+    return not (classifier and cfg.metric == "val_acc" and cfg.metric_mode == "max")
+
+
+def metric_callbacks(cfg: DictConfig, built: BuiltModel, pin_callback: Optional[PinCallback]) -> list[pl.Callback]:
+    """The :class:`~lightning_pin.app.metric.LoggedMetric` of a fit, when the tracked metric is a logged one."""
+    if not tracks_logged_metric(cfg, built):
+        return []
+    monitor = getattr(pin_callback, "monitor", None)
+    return [LoggedMetric(cfg.metric, built.target, monitor if isinstance(monitor, LoggedMetricMonitor) else None)]
 
 
 def build_trainer(cfg: DictConfig, phase: str, callbacks: list[pl.Callback], **overrides: Any) -> pl.Trainer:
@@ -382,10 +432,23 @@ def pin_report(pin_callback: PinCallback, output_dir: Path) -> dict[str, Any]:
     return monitor.results() if monitor is not None else {}
 
 
-def make_summary(cfg: DictConfig, report: dict[str, Any], output_dir: Path, seconds: float) -> dict[str, Any]:
+def make_summary(
+    cfg: DictConfig, report: dict[str, Any], output_dir: Path, seconds: float, built: Optional[BuiltModel] = None
+) -> dict[str, Any]:
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     multirun = hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
     choices = dict(hydra_cfg.runtime.choices) if hydra_cfg is not None else {}
+    targets = run_targets(cfg, built)
+    groups: tuple[str, ...] = ("data", "model", "optimizer", "pin", "trainer", "experiment")
+    if built is not None and built.custom:
+        # A model of your own: the summary names what ran (the class, not the option "custom").
+        choices["model"] = targets["model"]
+        choices.setdefault("optimizer", targets["optimizer"])  # composed without Hydra's choices (tune)
+        groups = ("model", "data", "optimizer", "pin", "trainer", "experiment")
+    if not is_app_data(cfg):
+        choices["data"] = targets["data"]
+    if targets["optimizer"] == OWN_OPTIMIZER:
+        choices["optimizer"] = OWN_OPTIMIZER
     keys = (
         "metric",
         "tolerance",
@@ -408,7 +471,9 @@ def make_summary(cfg: DictConfig, report: dict[str, Any], output_dir: Path, seco
         "fault": fault,
         "overrides": list(hydra_cfg.overrides.task) if hydra_cfg is not None else [],
         "tags": list(cfg.tags),
-        "choices": {g: choices.get(g) for g in ("data", "model", "optimizer", "pin", "trainer", "experiment")},
+        "choices": {g: choices.get(g) for g in groups},
+        # What was built: the model's and the data's classes, the optimizer (or the model's own).
+        "targets": targets,
         **{key: report.get(key) for key in keys},
         # From this step on, every measured value stayed within the tolerance (None: ended outside).
         "settled_step": settled_step(report) if report.get("history") else None,
@@ -420,14 +485,28 @@ def make_summary(cfg: DictConfig, report: dict[str, Any], output_dir: Path, seco
     }
 
 
+def run_targets(cfg: DictConfig, built: Optional[BuiltModel]) -> dict[str, Any]:
+    """The targets of the run (``run_summary.json``'s ``targets``): what the model, data and optimizer were."""
+    return {
+        "model": built.target if built is not None else str(cfg.model.get("_target_")),
+        "model_kind": built.kind if built is not None else None,
+        "data": data_target(cfg),
+        "optimizer": built.optimizer if built is not None else str(cfg.optimizer.get("_target_")),
+        "metric": cfg.get("metric", "val_acc"),
+        "metric_mode": cfg.get("metric_mode", "max"),
+    }
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     choices = " ".join(f"{group}={choice}" for group, choice in summary["choices"].items() if choice)
     trainable = summary.get("trainable_elements")
     of_trainable = f" of {trainable:,} trainable elements" if trainable else ""
     lines = [f"lightning-pin: {choices or 'run'}", f"  pinned    {summary['pinned_elements'] or 0:,}{of_trainable}"]
     if summary.get("baseline") is not None:
+        # The app's classifier: "accuracy"; a metric your model logs: its name (val_loss, val/f1).
+        label = "accuracy" if summary.get("metric") in (None, "accuracy") else summary["metric"]
         lines.append(
-            f"  accuracy  baseline {_fmt(summary['baseline'])}  forced {_fmt(summary['forced'])}  "
+            f"  {label:<8}  baseline {_fmt(summary['baseline'])}  forced {_fmt(summary['forced'])}  "
             f"final {_fmt(summary['final'])}  (gap to baseline {summary['gap']:+.3f}, {_recovery(summary)})"
         )
     if summary.get("pinned_elements"):

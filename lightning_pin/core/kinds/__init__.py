@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from lightning_pin.core.spec import Pin
 
 #: Every kind, in the order a pin's fields are checked and its kind is found; the first is the
-#: default (a pin with none of the others' fields).
+#: default (a pin with none of the others' fields). A kind that reads another's fields and more
+#: (stuck bits of a quantized code: the masks and ``code=``) comes before it, so it claims its pins.
 KINDS: tuple[type[Kind], ...] = (
     ExactValue,
     StuckBits,
@@ -121,7 +122,8 @@ def check_conflict(first: Pin, a: Any, second: Pin, b: Any, name: str) -> None:
 
     flat = a_pos if a.index is None else a.index.cpu().long()[a_pos]
     coords = tuple(int(c) for c in torch.unravel_index(torch.tensor(int(flat[0])), tuple(a.parameter.shape)))
-    reason = next(kind.mixed_reason for kind in KINDS if kind in (kind_a, kind_b) and kind.mixed_reason)
+    reason = next((kind.mixed_reason for kind in KINDS if kind in (kind_a, kind_b) and kind.mixed_reason),
+                  "each would undo the other; ")
     raise PinError(
         f"{first!r} and {second!r} put {kind_a.words} and {kind_b.words} on {a_pos.numel()} element(s) of {name!r} at "
         f"overlapping steps (e.g. {coords}): " + reason + "select disjoint elements or separate their step windows"
