@@ -60,7 +60,7 @@ def neuron_faults(
         >>> neuron_faults(net, "0", 0.25, seed=1)
         [NeuronPin(modules='0', channels=(1, 3))]
         >>> [p.channels for p in neuron_faults(net, "0", 0.5, seed=1)]  # nested: holds channels 1 and 3
-        [(0, 1, 3, 6)]
+        [(1, 2, 3, 4)]
     """
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
         raise PinError(f"neuron_faults: rate must be a number in [0, 1], got {rate!r}")
@@ -70,7 +70,7 @@ def neuron_faults(
         raise PinError(f"neuron_faults: per must be one of {_PER}, got {per!r}")
     if not (math.isfinite(low) and math.isfinite(high) and low < high):
         raise PinError(f"neuron_faults: need finite low < high, got low={low!r}, high={high!r}")
-    names = match_modules(NeuronPin(modules), [n for n, _ in module.named_modules()])
+    names = match_modules(NeuronPin(modules), [n for n, _ in module.named_modules() if n])
     if rate == 0:
         return []
     submodules = dict(module.named_modules())

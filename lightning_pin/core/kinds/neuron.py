@@ -438,8 +438,9 @@ def _signed(mask: int, width: int) -> int:
 class _Composed:
     """The tensors one forward uses for one set of active pins, on the output's device and dtype."""
 
-    def __init__(self, entries: Sequence[_Entry], out: Tensor) -> None:
-        full = tuple(torch.broadcast_shapes(*(e.shape for e in entries)))
+    def __init__(self, entries: Sequence[_Entry], out: Tensor, shapes: Sequence[tuple[int, ...]]) -> None:
+        # ``shapes``: of every entry on the module, active or not (none active: nothing to write).
+        full = tuple(torch.broadcast_shapes(*shapes))
         self.shape = full
         self.dtype, self.device = out.dtype, out.device
         value_mask = torch.zeros(full, dtype=torch.bool)
@@ -462,6 +463,8 @@ class _Composed:
         self.value_mask = value_mask.to(device) if bool(value_mask.any()) else None
         self.values = values.to(out.dtype).to(device) if self.value_mask is not None else None
         self.bits_mask = bits_mask.to(device) if bool(bits_mask.any()) else None
+        #: Whether any position is written (else the hook leaves the output alone).
+        self.writes = self.value_mask is not None or self.bits_mask is not None
         if self.bits_mask is not None:
             self.int_dtype = int_dtype
             self.keep = keep.to(int_dtype).to(device)
@@ -505,7 +508,7 @@ class NeuronHold:
 
     def __init__(self, pins: Sequence[NeuronPin], module: nn.Module) -> None:
         self.pins = list(pins)
-        names = [n for n, _ in module.named_modules()]
+        names = [n for n, _ in module.named_modules() if n]  # the root ("") is the model, not a unit
         modules = dict(module.named_modules())
         #: Module name -> the ids of the pins on it.
         self.matched: dict[str, list[int]] = {}
@@ -550,28 +553,24 @@ class NeuronHold:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             first = output[0] if isinstance(output, tuple) else output
             composed = self._composed_for(name, first)
-            if composed is None:
+            if not composed.writes:
                 return None
             stuck = composed.apply(first)
             return (stuck, *output[1:]) if isinstance(output, tuple) else stuck
 
         return hook
 
-    def _composed_for(self, name: str, out: Any) -> Optional[_Composed]:
+    def _composed_for(self, name: str, out: Any) -> _Composed:
         active = self._active
-        composed = self._composed.get((name, active))
-        if (
-            composed is not None
-            and isinstance(out, Tensor)
-            and out.dtype is composed.dtype
-            and out.device == composed.device
-            and out.dim() == len(composed.shape)
-            and self._seen.get(name) == tuple(out.shape[1:])
-        ):
-            return composed
+        if isinstance(out, Tensor):
+            # Per dtype and device too: a mixed-precision training forward and a float32 evaluation
+            # alternate without rebuilding anything.
+            composed = self._composed.get((name, active, out.dtype, out.device))
+            if composed is not None and out.dim() == len(composed.shape) and self._seen.get(name) == tuple(out.shape[1:]):
+                return composed
         return _slow_path(self, name, out, active)
 
-    def _compose(self, name: str, out: Any, active: frozenset[int]) -> Optional[_Composed]:
+    def _compose(self, name: str, out: Any, active: frozenset[int]) -> _Composed:
         """Resolve (first forward), check the output, and build the tensors for ``active``: may sync."""
         if not isinstance(out, Tensor) or not out.is_floating_point():
             what = type(out).__name__ if not isinstance(out, Tensor) else f"a {out.dtype} tensor"
@@ -606,13 +605,12 @@ class NeuronHold:
                     f"{e.pin!r} on {name!r}: its positions were resolved on a per-sample output of shape {e.shape[1:]}, "
                     f"this forward's output has {sample}; positions other than whole channels need one output shape"
                 )
-        self._seen[name] = sample
         live = [e for e in entries if e.pin_id in active]
-        if not live:
-            self._composed.pop((name, active), None)
-            return None
-        composed = _Composed(live, out)
-        self._composed[(name, active)] = composed
+        composed = _Composed(live, out, [e.shape for e in entries])
+        if self._seen.get(name) != sample:
+            self._composed = {k: v for k, v in self._composed.items() if k[0] != name}  # another output shape
+        self._seen[name] = sample
+        self._composed[(name, active, out.dtype, out.device)] = composed
         return composed
 
     # --------------------------------------------------------------------------------------
@@ -707,7 +705,7 @@ def _check_agree(name: str, entries: Sequence[_Entry], out_shape: tuple[int, ...
 # The first forward of a module (and any forward whose output differs in dtype, device or shape
 # from the last one) resolves and checks on the host, which a compiled graph cannot hold: under
 # torch.compile it runs eagerly (a graph break), and the steady-state path is compiled.
-def _slow_path(hold: NeuronHold, name: str, out: Any, active: frozenset[int]) -> Optional[_Composed]:
+def _slow_path(hold: NeuronHold, name: str, out: Any, active: frozenset[int]) -> _Composed:
     return hold._compose(name, out, active)
 
 
