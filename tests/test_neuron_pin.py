@@ -506,3 +506,23 @@ def test_compiled_model_keeps_the_stuck_neurons():
             (out.sum() + ref.sum()).backward()
             assert torch.equal(model.fc1.weight.grad[3], torch.zeros(6))  # ...but no gradient reaches fc1's row 3
             opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+
+
+def test_compiled_after_pin_and_refusals_under_compile():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pin(model, opt, [NeuronPin("fc1", channels=[0, 4], value=0.0)]):  # pinned first, compiled after
+        compiled = torch.compile(model)
+        seen = Recorder(model.fc2)
+        for _ in range(3):
+            compiled(torch.randn(4, 6)).sum().backward()
+            assert torch.equal(model.fc1.weight.grad[[0, 4]], torch.zeros(2, 6))
+            opt.step()
+            opt.zero_grad()
+    assert len(seen.outputs) == 3
+    bad = MLP()
+    compiled = torch.compile(bad)
+    with pin(compiled, torch.optim.SGD(bad.parameters(), lr=0.1), [NeuronPin("fc2", channels=[3])]):
+        with pytest.raises(PinError, match="channels \\[3\\] are outside its output's 3 channels"):
+            compiled(torch.randn(2, 6))

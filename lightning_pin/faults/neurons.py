@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
-from lightning_pin.core.kinds.neuron import NeuronPin, match_modules
+from lightning_pin.core.kinds.neuron import NeuronPin, match_modules, name_seed
 
 _KINDS = ("sa0", "sa1", "value")
 _PER = ("channel", "neuron")
@@ -114,8 +114,6 @@ def neuron_faults(
 def _draw(name: str, count: int, seed: int, low: float, high: float) -> tuple[Tensor, Tensor]:
     """Per unit a random key (which are stuck: the smallest) and a value in [low, high), from one
     generator seeded with ``seed`` and ``name``: a unit's key and value do not depend on the rate."""
-    from lightning_pin.core.plan import name_seed
-
     generator = torch.Generator().manual_seed(name_seed(f"neuron:{name}", seed))
     keys = torch.rand(count, generator=generator, dtype=torch.float64)
     values = low + (high - low) * torch.rand(count, generator=generator, dtype=torch.float64)

@@ -35,6 +35,7 @@ import fnmatch
 import hashlib
 import math
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, ClassVar, Optional, Union
 
@@ -325,11 +326,15 @@ def match_modules(pin: NeuronPin, names: Sequence[str]) -> list[str]:
     return [n for n in names if n in hits]
 
 
+def name_seed(name: str, seed: int) -> int:
+    """A 63-bit generator seed from ``seed`` and a module name, stable across processes (the plan's
+    rule for parameter names, restated here: the kinds do not import the plan)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
 def fraction_positions(name: str, numel: int, fraction: float, seed: int) -> Tensor:
     """``round(fraction * numel)`` (at least 1) flat per-sample positions, sorted: those with the
     smallest seeded random keys, so a larger fraction with the same seed holds a smaller one's."""
-    from lightning_pin.core.plan import name_seed
-
     count = max(1, round(fraction * numel))
     keys = torch.rand(numel, generator=torch.Generator().manual_seed(name_seed(name, seed)), dtype=torch.float64)
     return keys.argsort(stable=True)[:count].sort().values
@@ -545,6 +550,8 @@ class NeuronHold:
     def attach(self) -> list[RemovableHandle]:
         """One forward hook per matched module, ahead of any other forward hook (``prepend``):
         every hook and module after it sees the stuck values."""
+        if "torch._dynamo" in sys.modules:  # torch.compile is in use: have the eager path ready before tracing
+            _out_of_graph()
         return [
             module.register_forward_hook(self._hook_for(name), prepend=True) for name, module in self._modules.items()
         ]
@@ -568,7 +575,9 @@ class NeuronHold:
             composed = self._composed.get((name, active, out.dtype, out.device))
             if composed is not None and out.dim() == len(composed.shape) and self._seen.get(name) == tuple(out.shape[1:]):
                 return composed
-        return _slow_path(self, name, out, active)
+        if torch.compiler.is_compiling():
+            return _out_of_graph()(self, name, out, active)
+        return self._compose(name, out, active)
 
     def _compose(self, name: str, out: Any, active: frozenset[int]) -> _Composed:
         """Resolve (first forward), check the output, and build the tensors for ``active``: may sync."""
@@ -704,12 +713,15 @@ def _check_agree(name: str, entries: Sequence[_Entry], out_shape: tuple[int, ...
 
 # The first forward of a module (and any forward whose output differs in dtype, device or shape
 # from the last one) resolves and checks on the host, which a compiled graph cannot hold: under
-# torch.compile it runs eagerly (a graph break), and the steady-state path is compiled.
-def _slow_path(hold: NeuronHold, name: str, out: Any, active: frozenset[int]) -> _Composed:
-    return hold._compose(name, out, active)
+# torch.compile it runs eagerly (a graph break), and the steady-state path is compiled. Made on
+# first need: torch.compiler.disable imports dynamo (seconds), which an eager model never needs.
+_OUT_OF_GRAPH: list[Callable[..., _Composed]] = []
 
 
-_slow_path = torch.compiler.disable(_slow_path)
+def _out_of_graph() -> Callable[..., _Composed]:
+    if not _OUT_OF_GRAPH:
+        _OUT_OF_GRAPH.append(torch.compiler.disable(NeuronHold._compose))
+    return _OUT_OF_GRAPH[0]
 
 
 class NeuronKind:
