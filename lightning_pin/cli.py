@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         "with the same --out skips finished jobs. Exit status 2 for bad arguments.",
     )
     faults.add_argument("--kind", default="value", help="value (stuck at random values), cell (stuck-at-0/1), bit "
-                        "(stuck bits), flip (transient bit flips; implies --no-retrain)")
+                        "(stuck bits), neuron (stuck neurons: output channels of the layers; pin.neuron_kind=sa0|sa1|value), flip "
+                        "(transient bit flips; implies --no-retrain)")
     faults.add_argument("--rates", default="0,0.05,0.1,0.2,0.5", help="fault rates in [0, 1], comma separated "
                         "(0 is the unfaulted control; default: %(default)s)")
     faults.add_argument("--seeds", type=int, default=3, help="fault maps per rate (seeds 0..N-1; default: 3)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.context
 import os
 import pickle
@@ -239,7 +240,10 @@ class PinCallback(Callback):
         if self.engine is None:
             return
         if self.monitor is not None:
-            self.monitor.before_force(trainer, pl_module)  # the baseline: no pin forced yet
+            with contextlib.ExitStack() as unfaulted:  # the baseline: no pin forced yet, no neuron stuck
+                for hold in self.outputs.values():
+                    unfaulted.enter_context(hold.paused())
+                self.monitor.before_force(trainer, pl_module)
         self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
         self.engine.force()
         for hold in self.outputs.values():

@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import fnmatch
@@ -36,7 +37,7 @@ import hashlib
 import math
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Callable, ClassVar, Optional, Union
 
 import torch
@@ -528,6 +529,7 @@ class NeuronHold:
         self._active = frozenset(i for i, p in enumerate(self.pins) if p.in_window(0))
         self._composed: dict[tuple[str, frozenset[int]], _Composed] = {}
         self._seen: dict[str, tuple[int, ...]] = {}
+        self._paused = False
 
     # --------------------------------------------------------------------------------------
     # Steps
@@ -538,6 +540,16 @@ class NeuronHold:
         active = frozenset(i for i, p in enumerate(self.pins) if p.in_window(step))
         if active != self._active:
             self._active = active
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Within the block, the hooks leave every output alone: what the model computes without
+        the faults (the monitor's baseline accuracy, measured after the hooks are placed)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     @property
     def active(self) -> frozenset[int]:
@@ -558,6 +570,8 @@ class NeuronHold:
 
     def _hook_for(self, name: str) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if self._paused:
+                return None
             first = output[0] if isinstance(output, tuple) else output
             composed = self._composed_for(name, first)
             if not composed.writes:
