@@ -150,9 +150,7 @@ def save_faults(pins: Sequence[Any], module: nn.Module, path: Union[str, Path]) 
 
     pins, outputs = kinds.split(pins)
     if outputs:
-        import dataclasses
-
-        specs = [{k: v for k, v in dataclasses.asdict(p).items()} for _, held in outputs for p in held]
+        specs = [p.to_config() for _, held in outputs for p in held]
         weights = {}
         if pins and save is not None:
             save(list(pins), str(path), module=module, overwrite=True)

@@ -169,8 +169,9 @@ class NeuronPatch:
     """Stuck neurons put into a model for a ``with`` block (a test-time campaign's draw), taken out on exit.
 
     The forward hooks of :class:`~lightning_pin.core.kinds.neuron.NeuronHold` without a pin handle:
-    no stored word changes (``changed_bits`` is 0); ``elements`` counts the stuck units (channels,
-    or output positions) the block's forwards resolved.
+    no stored element or word changes (``elements`` and ``changed_bits`` are 0, as in a retrained
+    study's rows); ``units`` counts the stuck units (channels, or output positions) the block's
+    forwards resolved.
 
     Example::
 
@@ -178,8 +179,8 @@ class NeuronPatch:
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 4))
         >>> with NeuronPatch(net, neuron_faults(net, "0", 0.5, kind="sa1", high=3.0)) as patch:
         ...     out = net(torch.zeros(1, 2))
-        >>> sorted(out[0].tolist()).count(3.0), patch.elements, patch.changed_bits
-        (2, 2, 0)
+        >>> sorted(out[0].tolist()).count(3.0), patch.units, patch.elements, patch.changed_bits
+        (2, 2, 0, 0)
     """
 
     def __init__(self, module: nn.Module, pins: Sequence[NeuronPin]) -> None:
@@ -188,6 +189,7 @@ class NeuronPatch:
         self.hold = NeuronHold(pins, module)
         self.changed_bits = 0
         self.elements = 0
+        self.units = 0
         self._hooks: list[Any] = []
 
     def __enter__(self) -> NeuronPatch:
@@ -198,7 +200,7 @@ class NeuronPatch:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self.elements = sum(int(p["flat"].numel()) for p in self.hold.state_dict()["positions"])
+        self.units = sum(int(p["flat"].numel()) for p in self.hold.state_dict()["positions"])
 
 
 __all__ = ["NeuronPatch", "neuron_faults"]

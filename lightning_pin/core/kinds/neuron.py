@@ -188,6 +188,29 @@ class NeuronPin:
             digest.update(f"{name}={value!r};".encode())
         return digest.hexdigest()[:16]
 
+    def to_config(self) -> dict[str, Any]:
+        """The fields as plain Python (lists, numbers, strings): a mapping :meth:`from_config` reads back.
+
+        Example::
+
+            >>> pin = NeuronPin("fc1", channels=[3], value=0.5)
+            >>> NeuronPin.from_config(pin.to_config()) == pin
+            True
+        """
+
+        def plain(value: Any) -> Any:
+            if isinstance(value, tuple):
+                return [plain(v) for v in value]
+            return float(value) if isinstance(value, float) else value
+
+        config = {"modules": plain(self.modules)}
+        for field in dataclasses.fields(self)[1:]:
+            value = getattr(self, field.name)
+            if type(value) is type(field.default) and value == field.default:
+                continue  # a default (the default value=0.0 too, told apart from an explicit 0.0)
+            config[field.name] = plain(value)
+        return config
+
     def describe(self) -> str:
         """The summary's words: where in the output and what it reads."""
         if self.channels is not None:
