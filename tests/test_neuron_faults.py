@@ -201,3 +201,4 @@ def test_app_pin_neuron_faults(tmp_path):
     cfg = compose_app([*TINY, "pin=neuron_faults", "pin.rate=0.25", "pin.stuck=sa1", "pin.high=3.0"], tmp_path / "run")
     summary = run(cfg)
     assert summary["forced"] != summary["baseline"] and summary["final"] is not None
+
