@@ -267,7 +267,10 @@ def test_tune_on_each_kind(kind, project, fork_runner):
                     *KINDS[kind], *DATA, *TINY, cwd=project)
     assert result.returncode == 0, result.output[-3000:]
     assert len(list(csv.DictReader((project / "search" / "trials.csv").open()))) == 2
-    assert "model=mymodels.TinyNet data=mymodels.OwnData optimizer=torch.optim.AdamW" in result.output
+    # Each trial's own output (the app's summary among it) goes to its trial_N/trial.log, not to the terminal.
+    for trial in (0, 1):
+        log = (project / "search" / f"trial_{trial}" / "trial.log").read_text()
+        assert "model=mymodels.TinyNet data=mymodels.OwnData optimizer=torch.optim.AdamW" in log
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -376,13 +377,11 @@ def test_bit_faults_stay_nested_where_patterns_are_kept_finite(one_fraction):
     assert pins.redrawn > 0  # the rule was exercised
 
 
-@pytest.mark.parametrize("numel", [1_000, 200_000])
-def test_bit_faults_draw_in_time_of_their_faults(numel):
-    """Drawing grows with the number of stuck bits, not of (element, bit) pairs: the generator draws about
-    as many random numbers as there are faults (counted on torch.randint, which every draw goes through)."""
-    module = nn.Module()
-    module.w = nn.Parameter(torch.zeros(numel))
-    drawn = []
+
+@contextlib.contextmanager
+def counting_randint():
+    """The numbers of random numbers each torch.randint call in the block draws (every draw goes through it)."""
+    drawn: list[int] = []
     real = torch.randint
 
     def counting(*args, **kwargs):
@@ -392,6 +391,15 @@ def test_bit_faults_draw_in_time_of_their_faults(numel):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "randint", counting)
+        yield drawn
+
+@pytest.mark.parametrize("numel", [1_000, 200_000])
+def test_bit_faults_draw_in_time_of_their_faults(numel):
+    """Drawing grows with the number of stuck bits, not of (element, bit) pairs: the generator draws about
+    as many random numbers as there are faults (counted on torch.randint, which every draw goes through)."""
+    module = nn.Module()
+    module.w = nn.Parameter(torch.zeros(numel))
+    with counting_randint() as drawn:
         (p,) = bit_faults(module, "w", rate=1e-4, seed=1)
     stuck = int(bits_of(stuck_pairs(p)[0] | stuck_pairs(p)[1], 32).sum())
     assert 0 < sum(drawn) <= 1.1 * stuck + 200
@@ -518,16 +526,7 @@ def test_cell_faults_and_flip_bits_draw_in_time_of_their_faults(generator):
 
     module = nn.Module()
     module.w = nn.Parameter(torch.ones(1_000_000))
-    drawn = []
-    real = torch.randint
-
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        drawn.append(out.numel())
-        return out
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch, "randint", counting)
+    with counting_randint() as drawn:
         if generator == "cell":
             faults = cell_faults(module, "w", rate=1e-4, seed=1).faulty["w"]
         else:

@@ -52,10 +52,7 @@ def find_truncated(directory: Union[str, Path]) -> list[Truncated]:
     try:
         from tensorboard.compat.proto.event_pb2 import Event
     except ImportError as err:
-        raise TensorBoardMissing(
-            f"{directory} holds TensorBoard event files; reading them needs tensorboard "
-            "(pip install tensorboard, or pip install 'lightning-pin[app]')"
-        ) from err
+        raise _missing(directory) from err
     found = []
     for path in sorted(Path(directory).glob(EVENTS_GLOB)):
         size = path.stat().st_size
@@ -100,10 +97,7 @@ def read_scalars(directory: Union[str, Path]) -> list[dict[str, float]]:
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError as err:
-        raise TensorBoardMissing(
-            f"{directory} holds TensorBoard event files; reading them needs tensorboard "
-            "(pip install tensorboard, or pip install 'lightning-pin[app]')"
-        ) from err
+        raise _missing(directory) from err
     # size_guidance 0: every event, not TensorBoard's default sample of 10,000 per tag.
     accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0})
     accumulator.Reload()
@@ -121,3 +115,10 @@ def read_scalars(directory: Union[str, Path]) -> list[dict[str, float]]:
             rows.append(row)
         row[tag] = value
     return [row for step in sorted(rows_at) for row in rows_at[step]]
+
+
+def _missing(directory: Union[str, Path]) -> TensorBoardMissing:
+    return TensorBoardMissing(
+        f"{directory} holds TensorBoard event files; reading them needs tensorboard "
+        "(pip install tensorboard, or pip install 'lightning-pin[app]')"
+    )
