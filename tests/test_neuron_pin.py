@@ -445,6 +445,19 @@ def test_callback_holds_neuron_pins_in_training_and_validation(optimizer, caplog
     assert torch.equal(model.net.head.bias, torch.zeros(3))
 
 
+def test_callback_step_window_in_training_and_validation_forwards():
+    torch.manual_seed(0)
+    model = LitCNN()
+    recorder = HookAfterPins()
+    # 4 batches an epoch: stuck in the forwards of steps 1..3 (after the first step, before the fourth),
+    # so the validation after the first epoch (4 steps done) no longer sees it; the second epoch neither.
+    callback = PinCallback([NeuronPin("net.conv1", channels=[0], value=5.0, start_step=1, stop_step=4)], verbose=False)
+    trainer(max_epochs=2, callbacks=[callback, recorder], limit_val_batches=1).fit(model, _cnn_loader(), _cnn_loader())
+    stuck = [(training, bool((out[:, 0] == 5.0).all())) for training, out in recorder.outputs]
+    assert stuck == [(True, False), (True, True), (True, True), (True, True), (False, False),
+                     (True, False), (True, False), (True, False), (True, False), (False, False)]
+
+
 def test_callback_checkpoint_resume_is_bit_identical(tmp_path):
     def pins():
         return [NeuronPin("net.conv1", fraction=0.25, seed=2, value=0.5),

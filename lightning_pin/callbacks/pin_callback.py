@@ -316,6 +316,8 @@ class PinCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        for hold in self.outputs.values():  # the forwards after this step (validation) see its window
+            hold.set_step(trainer.global_step)
         if self.monitor is not None and self.engine is not None:
             self.monitor.on_train_batch_end(trainer, pl_module)
 
