@@ -234,8 +234,8 @@ def _resume_run(split: int | None, steps: int = 6):
     torch.manual_seed(0)
     model = SmallCNN()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-    pins = [NeuronPin("conv1", fraction=0.2, seed=5, value=0.5), NeuronPin("conv2", channels=[1], stuck_at_zero=0x80000000),
-            Pin("head.weight", fraction=0.1, seed=1)]
+    pins = [NeuronPin("conv1", fraction=0.2, seed=5, value=0.5),
+            NeuronPin("conv2", channels=[1], stuck_at_zero=0x80000000), Pin("head.weight", fraction=0.1, seed=1)]
     batches = _cnn_batches(steps)
     handle = pin(model, opt, pins)
     if split is None:
@@ -435,7 +435,8 @@ def test_callback_holds_neuron_pins_in_training_and_validation(optimizer, caplog
     recorder = HookAfterPins()
     callback = PinCallback([Pin("net.head.bias", value=0.0), NeuronPin("net.conv1", channels=[3, 7], value=0.0)])
     with caplog.at_level(logging.INFO):
-        trainer(max_epochs=2, callbacks=[callback, recorder], limit_val_batches=2).fit(model, _cnn_loader(), _cnn_loader())
+        trainer(max_epochs=2, callbacks=[callback, recorder], limit_val_batches=2).fit(
+            model, _cnn_loader(), _cnn_loader())
     assert "net.conv1  output channels [3, 7]  stuck at 0.0" in caplog.text
     assert {training for training, _ in recorder.outputs} == {True, False}
     assert len([t for t, _ in recorder.outputs if t]) == 8

@@ -132,7 +132,9 @@ def _channels(name: str, module: nn.Module) -> int:
 
 
 @torch.no_grad()
-def _outputs(module: nn.Module, submodules: dict[str, nn.Module], names: Sequence[str], batch: Any) -> dict[str, Tensor]:
+def _outputs(
+    module: nn.Module, submodules: dict[str, nn.Module], names: Sequence[str], batch: Any
+) -> dict[str, Tensor]:
     """Each named module's (first) output on one forward of ``batch``."""
     seen: dict[str, Tensor] = {}
     hooks = []

@@ -114,10 +114,10 @@ class NeuronPin:
         NeuronPin(modules='layer1.0.conv1', channels=(3, 7))
         >>> NeuronPin("fc1", indices=[5], stuck_at_one=0x40000000).describe()
         'output positions [(5,)]  stuck bits at 1 0x40000000'
-        >>> NeuronPin("fc1", value=1.0, stuck_at_zero=1)
+        >>> NeuronPin("fc1", value=1.0, stuck_at_zero=1)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        lightning_pin.core.errors.PinError: NeuronPin(modules='fc1', value=1.0, stuck_at_zero=0x1): value= (the whole output) or stuck_at_zero= / stuck_at_one= (some bits of its word), not both
+        lightning_pin.core.errors.PinError: NeuronPin(modules='fc1', value=1.0, stuck_at_zero=0x1): value= ... not both
     """
 
     modules: Union[str, Sequence[str]]
@@ -338,7 +338,8 @@ def match_modules(pin: NeuronPin, names: Sequence[str]) -> list[str]:
             regex = re.compile(pattern[3:])
             found = [n for n, bare in zip(names, stripped) if regex.fullmatch(n) or regex.fullmatch(bare)]
         else:
-            found = [n for n, bare in zip(names, stripped) if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(bare, pattern)]
+            found = [n for n, bare in zip(names, stripped)
+                     if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(bare, pattern)]
         if not found:
             close = difflib.get_close_matches(pattern.removeprefix("re:"), stripped, n=5, cutoff=0.3)
             hint = f"closest names: {close}" if close else f"module names start with: {stripped[:5]}"
@@ -610,7 +611,8 @@ class NeuronHold:
             # Per dtype and device too: a mixed-precision training forward and a float32 evaluation
             # alternate without rebuilding anything.
             composed = self._composed.get((name, active, out.dtype, out.device))
-            if composed is not None and out.dim() == len(composed.shape) and self._seen.get(name) == tuple(out.shape[1:]):
+            same_shape = self._seen.get(name) == tuple(out.shape[1:])
+            if composed is not None and out.dim() == len(composed.shape) and same_shape:
                 return composed
         if torch.compiler.is_compiling():
             return _out_of_graph()(self, name, out, active)
@@ -648,7 +650,8 @@ class NeuronHold:
         for e in entries:
             if len(e.shape) != out.dim() or any(s != 1 and s != o for s, o in zip(e.shape[1:], sample)):
                 raise PinError(
-                    f"{e.pin!r} on {name!r}: its positions were resolved on a per-sample output of shape {e.shape[1:]}, "
+                    f"{e.pin!r} on {name!r}: its positions were resolved on a per-sample output of shape "
+                    f"{e.shape[1:]}, "
                     f"this forward's output has {sample}; positions other than whole channels need one output shape"
                 )
         live = [e for e in entries if e.pin_id in active]
@@ -736,7 +739,8 @@ def _check_agree(name: str, entries: Sequence[_Entry], out_shape: tuple[int, ...
             if values_a is not None and values_b is not None:
                 differ = both & (values_a != values_b)
             elif values_a is None and values_b is None:
-                same = (a.pin.stuck_at_zero or 0, a.pin.stuck_at_one or 0) == (b.pin.stuck_at_zero or 0, b.pin.stuck_at_one or 0)
+                masks_a = (a.pin.stuck_at_zero or 0, a.pin.stuck_at_one or 0)
+                same = masks_a == (b.pin.stuck_at_zero or 0, b.pin.stuck_at_one or 0)
                 differ = both & (not same)
             else:
                 differ = both
@@ -744,7 +748,8 @@ def _check_agree(name: str, entries: Sequence[_Entry], out_shape: tuple[int, ...
                 where = tuple(int(c) for c in differ.nonzero()[0][1:])
                 raise PinError(
                     f"{a.pin!r} and {b.pin!r} disagree on output position {where} of {name!r} at overlapping steps "
-                    f"({a.pin.describe()} / {b.pin.describe()}): select disjoint positions or separate their step windows"
+                    f"({a.pin.describe()} / {b.pin.describe()}): select disjoint positions or separate their step "
+                    "windows"
                 )
 
 
