@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_pin.core.errors import AccuracyGapError, PinError
 from lightning_pin.core.handle import PinHandle, pin
+from lightning_pin.core.kinds.neuron import NeuronPin
 from lightning_pin.core.kinds.quant_code import QuantCode
 from lightning_pin.core.spec import Pin
 
@@ -24,7 +25,9 @@ except PackageNotFoundError:  # a source tree that was never installed
 
 _LIGHTNING_LAYER = {"PinCallback": "lightning_pin.callbacks", "PinMonitor": "lightning_pin.callbacks"}
 
-__all__ = ["AccuracyGapError", "Pin", "PinCallback", "PinError", "PinHandle", "PinMonitor", "QuantCode", "pin"]
+__all__ = [
+    "AccuracyGapError", "NeuronPin", "Pin", "PinCallback", "PinError", "PinHandle", "PinMonitor", "QuantCode", "pin",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         "with the same --out skips finished jobs. Exit status 2 for bad arguments.",
     )
     faults.add_argument("--kind", default="value", help="value (stuck at random values), cell (stuck-at-0/1), bit "
-                        "(stuck bits), flip (transient bit flips; implies --no-retrain)")
+                        "(stuck bits), neuron (stuck neurons: output channels of the layers; pin.neuron_kind=sa0|sa1|"
+                        "value), flip (transient bit flips; implies --no-retrain)")
     faults.add_argument("--code-bits", type=int, metavar="N", help="--kind bit: stick bits of N-bit integer weight "
                         "codes (one scale per output channel, from the weights; the forward reads the codes) instead "
                         "of float words")

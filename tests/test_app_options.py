@@ -105,6 +105,10 @@ def test_every_option_of_the_table_runs_one_short_epoch(tmp_path, group, option)
     assert (tmp_path / "pin_report.png").is_file() == ((group, option) == ("data", defaults()["data"]))
     if (group, option) == ("pin", "none"):
         assert not summary["pinned_elements"]
+    elif (group, option) == ("pin", "neuron_faults"):  # stuck neurons pin no weight: they sit in the outputs
+        assert not summary["pinned_elements"]
+        saved = torch.load(tmp_path / "fault_map.pt", weights_only=True)["neuron_pins"]
+        assert [p["modules"] for p in saved] == ["backbone.features.0", "backbone.features.2"]
     else:
         assert summary["pinned_elements"] > 0
     if option == "checkpoints":

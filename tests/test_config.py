@@ -64,7 +64,8 @@ def test_every_group_has_its_options():
     assert options("data") == ["cifar10", "custom", "digits", "synthetic"]
     assert {"sgd", "adam", "adamw"} <= set(options("optimizer"))
     assert options("pin") == [
-        "bit_faults", "cell_faults", "elements", "fault_map", "faults", "fraction", "freeze_layers", "none", "per_task"
+        "bit_faults", "cell_faults", "elements", "fault_map", "faults", "fraction", "freeze_layers", "neuron_faults",
+        "none", "per_task",
     ]
     assert {"cpu", "ddp_sim", "gpu"} <= set(options("trainer"))
     assert {"csv", "tensorboard"} <= set(options("logger"))

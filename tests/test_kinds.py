@@ -17,7 +17,8 @@ from lightning_pin.core.state import PinState
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_pin"
 #: Where ``--kind value|cell|bit|flip`` chooses a fault *generator* (its own names, not pin kinds).
-GENERATOR_CHOICE = {"app/fault_pins.py", "app/study.py", "app/config.py", "cli.py", "reporting/faults.py"}
+GENERATOR_CHOICE = {"app/fault_pins.py", "app/study.py", "app/config.py", "cli.py", "reporting/faults.py",
+                    "faults/neurons.py"}  # neuron_faults(kind="sa0"|"sa1"|"value"): what a stuck neuron reads
 
 
 def _names_a_kind(node: ast.AST) -> bool:

@@ -306,6 +306,22 @@ class BitFaultsConfig(PinsConfig):
 
 
 @dataclass
+class NeuronFaultsConfig(PinsConfig):
+    """``pin=neuron_faults``: stuck neurons drawn by :func:`lightning_pin.faults.neuron_faults` (``faults`` calls it)."""
+
+    modules: Any = MISSING
+    rate: float = MISSING
+    #: What a stuck neuron reads: sa0, sa1 (``high``) or value (seeded in [low, high)); neuron_faults' ``kind``.
+    stuck: str = "sa0"
+    low: float = -2.0
+    high: float = 2.0
+    per: str = "channel"
+    seed: int = 0
+    #: A ``_partial_`` node of a generator ``(module) -> list[NeuronPin]``; the app calls it on the model it retrains.
+    faults: Any = None
+
+
+@dataclass
 class FaultPinsConfig(PinsConfig):
     """``pin=faults``: faults of one kind at one rate, drawn from a seed (see :mod:`lightning_pin.app.fault_pins`).
 
@@ -329,6 +345,11 @@ class FaultPinsConfig(PinsConfig):
     #: kind=bit: stuck bits of ``code_bits``-bit integer codes (per-channel scales from the weights; the
     #: forward reads the dequantized codes) instead of the float words (null).
     code_bits: Optional[int] = None
+    #: kind=neuron: what a stuck neuron reads (sa0, sa1 = high, value in [low, high)), per channel or
+    #: per output position, in the outputs of ``modules`` (null: the modules owning ``params``).
+    neuron_kind: str = "sa0"
+    per: str = "channel"
+    modules: Any = None
 
 
 @dataclass
@@ -512,6 +533,7 @@ _SCHEMAS: dict[str, dict[str, type]] = {
         "fault_map": FaultMapConfig,
         "cell_faults": CellFaultsConfig,
         "bit_faults": BitFaultsConfig,
+        "neuron_faults": NeuronFaultsConfig,
         "faults": FaultPinsConfig,
         "per_task": PerTaskConfig,
     },

@@ -8,7 +8,9 @@ only, never from the weights' training history or the job's number, so two recip
 - ``value``: a ``rate`` fraction of the cells stuck at values drawn uniformly from ``[low, high)``
   (the app's ``pin=fraction``);
 - ``cell``: :func:`lightning_pin.faults.cell_faults` (stuck-at-0 / stuck-at-1 cells);
-- ``bit``: :func:`lightning_pin.faults.bit_faults` (stuck bits of the stored words).
+- ``bit``: :func:`lightning_pin.faults.bit_faults` (stuck bits of the stored words);
+- ``neuron``: :func:`lightning_pin.faults.neuron_faults` (stuck neurons: channels of the modules
+  whose weights ``params`` matches, stuck in every forward; ``neuron_kind`` sa0 / sa1 / value).
 
 ``rate=0`` draws nothing: the unfaulted control.
 """
@@ -28,7 +30,7 @@ from lightning_pin.core.plan import resolve
 from lightning_pin.core.spec import Pin
 from lightning_pin.app.pins import random_fault_map
 
-KINDS = ("value", "cell", "bit")
+KINDS = ("value", "cell", "bit", "neuron")
 #: Offsets the value draw's seed from the cell draw's, so which cells fail and what they hold are independent.
 VALUE_SEED_OFFSET = 1_000_003
 
@@ -92,7 +94,10 @@ def draw_faults(
     bits: Any = None,
     one_fraction: float = 0.5,
     code_bits: Optional[int] = None,
-) -> list[Pin]:
+    neuron_kind: str = "sa0",
+    per: str = "channel",
+    modules: Any = None,
+) -> list[Any]:
     """The pins of ``kind`` faults at ``rate`` on the parameters ``params`` of ``module``, from ``seed``.
 
     Raises:
@@ -111,12 +116,29 @@ def draw_faults(
         return [Pin(name, mask=~stuck.isnan(), value=stuck[~stuck.isnan()]) for name, stuck in fault_map.items()]
     if kind == "cell":
         return list(fault_generator("cell")(module, params, rate, sa1_fraction=sa1_fraction, high=cell_high, seed=seed))
+    if kind == "neuron":  # stuck outputs of the modules that own the matched weights (or of ``modules``)
+        where = modules if modules is not None else modules_of(module, params)
+        return fault_generator("neuron")(module, where, rate, kind=neuron_kind, low=low, high=high, per=per, seed=seed)
     return list(fault_generator("bit")(module, params, rate, bits=bits, one_fraction=one_fraction, seed=seed,
                                        code=code_bits))
 
 
-def save_faults(pins: Sequence[Pin], module: nn.Module, path: Union[str, Path]) -> None:
+def modules_of(module: nn.Module, params: Union[str, Sequence[str]]) -> list[str]:
+    """The names of the modules that own the parameters ``params`` matches (``backbone.layers.0``
+    for ``backbone.layers.0.weight``), in module order: whose outputs stuck neurons sit in.
+
+    Raises:
+        PinError: ``params`` matches no parameter of ``module``.
+    """
+    owners = {name.rpartition(".")[0] for rp in resolve([Pin(params)], module).pins for name in rp.selections}
+    return [name for name, _ in module.named_modules() if name and name in owners]
+
+
+def save_faults(pins: Sequence[Any], module: nn.Module, path: Union[str, Path]) -> None:
     """Save what the pins force, so two invocations can be checked for identical faults.
+
+    Stuck neurons (:class:`~lightning_pin.NeuronPin`) hold no weight: their specs are saved, as
+    plain fields (``{"neuron_pins": [...]}``), next to the weight faults.
 
     With ``lightning_pin.faults.save_fault_map`` (stuck bits, bounds and values alike) its format;
     otherwise the app's value fault map (per parameter: NaN where healthy, the stuck-at value
@@ -126,6 +148,17 @@ def save_faults(pins: Sequence[Pin], module: nn.Module, path: Union[str, Path]) 
         save = importlib.import_module("lightning_pin.faults").save_fault_map
     except (ImportError, AttributeError):
         save = None
+    from lightning_pin.core import kinds
+
+    pins, outputs = kinds.split(pins)
+    if outputs:
+        specs = [p.to_config() for _, held in outputs for p in held]
+        weights = {}
+        if pins and save is not None:
+            save(list(pins), str(path), module=module, overwrite=True)
+            weights = {"weight_faults": torch.load(path, weights_only=False)}
+        torch.save({"neuron_pins": specs, **weights}, path)
+        return
     if save is not None:
         save(list(pins), str(path), module=module, overwrite=True)  # a rerun of the job writes it again
         return

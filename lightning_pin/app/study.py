@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
 from lightning_pin.app.fault_pins import KINDS, check_kind
+from lightning_pin.core import kinds
 from lightning_pin.app.sweep import RUN_SUMMARY
 from lightning_pin.core.errors import PinError
 from lightning_pin.reporting import faults as report
@@ -837,7 +838,9 @@ class ForcedCampaign:
         pin = template.pin
         self._params = expand_params(_plain(pin.params), self.model)  # a model of your own: its 2+-dim weights
         self._options = {key: _plain(pin.get(key)) for key in ("low", "high", "sa1_fraction", "cell_high", "bits",
-                                                               "one_fraction", "code_bits") if pin.get(key) is not None}
+                                                               "one_fraction", "code_bits", "neuron_kind", "per",
+                                                               "modules")
+                         if pin.get(key) is not None}
         monitor = template.callbacks.pin_callback.get("monitor") or {}
         self.tolerance = monitor.get("tolerance") if hasattr(monitor, "get") else None
         if self._options.get("code_bits") is not None:  # integer codes: the forward reads them, baseline included
@@ -869,6 +872,11 @@ class ForcedCampaign:
         if job.kind == "flip":
             return flip_bits(self.model, params, job.rate, bits=self._options.get("bits"), seed=job.seed)
         pins = draw_faults(self.model, job.kind, job.rate, job.seed, params, **self._options)
+        weight_pins, outputs = kinds.split(pins)
+        if outputs:  # stuck neurons: forward hooks for the block, no stored word changed
+            from lightning_pin.faults.neurons import NeuronPatch
+
+            return NeuronPatch(self.model, [p for _, held in outputs for p in held])
         return forced_patch(self.model, pins, parameters=self._parameters)
 
     def changed_bits(self, job: Job) -> int:

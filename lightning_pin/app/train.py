@@ -50,6 +50,7 @@ from lightning_pin.app.custom import OWN_OPTIMIZER, BuiltModel, build_datamodule
 from lightning_pin.app.custom import is_app_data, model_name, data_target
 from lightning_pin.app.metric import LoggedMetric, LoggedMetricMonitor, check_mode
 from lightning_pin.app.fault_pins import draw_faults, save_faults
+from lightning_pin.core import kinds
 from lightning_pin.app.pins import fault_map_pins, realize
 from lightning_pin.app.sweep import RUN_SUMMARY
 from lightning_pin.callbacks.pin_callback import PinCallback
@@ -183,7 +184,7 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
     model = built.model
     check_classes(model, datamodule)
     pins = build_pins(cfg.pin, model)
-    plan = resolve(pins, model)  # raises PinError naming any pin that cannot be honoured
+    plan = resolve(kinds.split(pins)[0], model)  # raises PinError naming any weight pin that cannot be honoured
     pin_callback = build_pin_callback(cfg, pins, built)
     others = [instantiate(node, _convert_="all") for name, node in cfg.callbacks.items() if name != "pin_callback"]
     pretrainer = build_trainer(cfg, "pretrain", callbacks=metric_callbacks(cfg, built, None),
@@ -209,7 +210,7 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
         # its weight's sign): draw the faults again on the model that is retrained, not on the
         # freshly initialised one that step 1 checked them on.
         pins = build_pins(cfg.pin, model, announce=True)
-        plan = resolve(pins, model)
+        plan = resolve(kinds.split(pins)[0], model)
         pin_callback = build_pin_callback(cfg, pins, built)
         trainer = build_trainer(cfg, "pinned", callbacks=[pin_callback, *metric_callbacks(cfg, built, pin_callback),
                                                           *others, *extra_callbacks])
@@ -261,8 +262,9 @@ def build_pins(pin_cfg: DictConfig, model: torch.nn.Module, announce: bool = Fal
             entry["params"] = expand_params(entry["params"], model)
     pins = [realize(Pin.from_config(entry), model) for entry in entries]
     if "rate" in pin_cfg.keys() and "kind" in pin_cfg.keys():  # pin=faults
-        options = ("low", "high", "sa1_fraction", "cell_high", "bits", "one_fraction", "code_bits")
-        drawn = {key: _plain(pin_cfg[key]) for key in options}
+        options = ("low", "high", "sa1_fraction", "cell_high", "bits", "one_fraction", "code_bits", "neuron_kind", "per",
+                   "modules")
+        drawn = {key: _plain(pin_cfg[key]) for key in options if key in pin_cfg.keys()}
         params = expand_params(_plain(pin_cfg.params), model)
         pins += draw_faults(model, pin_cfg.kind, pin_cfg.rate, pin_cfg.seed, params, **drawn)
     # keys(), not `in`: `in` is False for a missing value (???), which must fail here, not be skipped.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.context
 import os
 import pickle
@@ -26,7 +27,8 @@ from lightning_pin.core.buffers import BufferHold
 from lightning_pin.core.compiled_step import install
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.errors import PinError
-from lightning_pin.core.handle import as_pins
+from lightning_pin.core import kinds
+from lightning_pin.core.handle import as_pins, load_outputs
 from lightning_pin.core.modules import ParameterWatch, unwrap
 from lightning_pin.callbacks.monitor import PinMonitor
 from lightning_pin.core.plan import check_conflicts, check_targets_fit, refuse_sparse_gradients, resolve
@@ -115,6 +117,10 @@ class PinCallback(Callback):
         if not isinstance(monitor, (PinMonitor, bool)):
             raise PinError(f"monitor must be a PinMonitor, True or False, got {type(monitor).__name__}")
         self.pins: list[Pin] = as_pins(pins)
+        # Weight pins go to the engine; output kinds' pins (NeuronPin) to their runtimes' forward hooks.
+        self._weight_pins, self._output_pins = kinds.split(self.pins)
+        #: The runtimes of the output kinds' pins (stuck neurons), by kind name, from fit start.
+        self.outputs: dict[str, Any] = {}
         self._fingerprints = [p.fingerprint() for p in self.pins]
         # Unfitted live callbacks with these pins (see state_key); a fit takes this one out.
         twins = _LIVE.setdefault(tuple(self._fingerprints), weakref.WeakSet())
@@ -162,7 +168,7 @@ class PinCallback(Callback):
         if multiprocessing.context.get_spawning_popen() is not None:
             # Pickled into a process being spawned (ddp_spawn, in the main process, before any
             # hook runs): a `when` that cannot travel would fail deep in pickle, naming no pin.
-            _refuse_unpicklable_when(self.pins)
+            _refuse_unpicklable_when(self._weight_pins)
         return self.__dict__.copy()
 
     # ------------------------------------------------------------------------------------------
@@ -175,15 +181,16 @@ class PinCallback(Callback):
         cast = _TRUE_PRECISION.get(str(trainer.precision))
         if stage != "fit" or cast is None or is_overridden("configure_model", pl_module):
             return  # (configure_model builds layers later: on_fit_start checks those after the cast)
-        check_targets_fit(resolve(self.pins, pl_module, warn=lambda message: None), cast)
+        check_targets_fit(resolve(self._weight_pins, pl_module, warn=lambda message: None), cast)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _refuse_unsupported_strategy(trainer)
         module = trainer.lightning_module
         try:
-            plan, rejected = resolve(self.pins, module, warn=rank_zero_warn), None
+            plan, rejected = resolve(self._weight_pins, module, warn=rank_zero_warn), None
             refuse_sparse_gradients(plan, module)
+            outputs = {kind.kind: kind.hold(specs, module) for kind, specs in self._output_pins}
         except PinError as err:
             plan, rejected = None, err
         # A spec can fail on one rank only (a file missing on one node): every rank must raise,
@@ -192,6 +199,7 @@ class PinCallback(Callback):
         _check_plans_agree(trainer, pl_module, plan)
         _check_other_pin_callbacks(trainer, self, plan)
         self.engine = PinEngine(plan)
+        self.outputs = outputs
         self.buffers = BufferHold(plan, module)
         self._fitting = True
         self._applied = False
@@ -214,9 +222,13 @@ class PinCallback(Callback):
             if self.verify_at == "step":
                 self._handles.append(self.engine.register_restore_hook(lambda stats: self._check()))
             self._unwatch = watch_weight_averaging(trainer, self._pin_averaged)
-        if self.verbose and plan.pins:
+        for hold in self.outputs.values():
+            self._handles += hold.attach()
+        if self.verbose and (plan.pins or self.outputs):
             held = self.buffers.summary()
-            summary = plan.summary() + (f"\n{held}" if held else "")
+            summary = "\n".join(
+                [plan.summary()] * bool(plan.pins) + [held] * bool(held) + [h.summary() for h in self.outputs.values()]
+            )
             rank_zero_info(f"PinCallback: pins resolved on {type(module).__name__}\n{summary}")
 
     @override
@@ -228,9 +240,14 @@ class PinCallback(Callback):
         if self.engine is None:
             return
         if self.monitor is not None:
-            self.monitor.before_force(trainer, pl_module)  # the baseline: no pin forced yet
+            with contextlib.ExitStack() as unfaulted:  # the baseline: no pin forced yet, no neuron stuck
+                for hold in self.outputs.values():
+                    unfaulted.enter_context(hold.paused())
+                self.monitor.before_force(trainer, pl_module)
         self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
         self.engine.force()
+        for hold in self.outputs.values():
+            hold.set_step(trainer.global_step)
         self._watch = ParameterWatch(pl_module, self.engine.plan.parameters)
         # On resume the module's buffers come from the checkpoint: they hold what the saved run held.
         self.buffers.update(self.engine.active, recapture=True)
@@ -290,6 +307,8 @@ class PinCallback(Callback):
             )
             self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
             self.buffers.update(self.engine.active)
+        for hold in self.outputs.values():
+            hold.set_step(trainer.global_step)
         if self.monitor is not None:
             self.monitor.on_train_batch_start(trainer, self.engine)
 
@@ -297,6 +316,8 @@ class PinCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        for hold in self.outputs.values():  # the forwards after this step (validation) see its window
+            hold.set_step(trainer.global_step)
         if self.monitor is not None and self.engine is not None:
             self.monitor.on_train_batch_end(trainer, pl_module)
 
@@ -401,7 +422,7 @@ class PinCallback(Callback):
         """Take over the state a spawned rank 0 left behind (see ``on_fit_end``)."""
         state = self._worker_state()
         os.remove(self._handoff)
-        engine = PinEngine(resolve(self.pins, unwrap(module), warn=lambda message: None))
+        engine = PinEngine(resolve(self._weight_pins, unwrap(module), warn=lambda message: None))
         engine.load_state_dict(state, strict=True)
         self.engine = engine
 
@@ -442,6 +463,8 @@ class PinCallback(Callback):
         state = self.engine.state_dict()
         if self.monitor is not None:
             state["monitor"] = self.monitor.state_dict()
+        if self.outputs:
+            state["outputs"] = {kind: hold.state_dict() for kind, hold in self.outputs.items()}
         return state
 
     @override
@@ -455,6 +478,7 @@ class PinCallback(Callback):
 
     def _load(self, state: Any) -> None:
         saved = self.engine.load_state_dict(state, strict=self.strict, warn=rank_zero_warn)
+        load_outputs(self.outputs, state, self.strict, None, rank_zero_warn)
         if self.monitor is not None and saved is not None:
             self.monitor.load_state_dict(saved.monitor)
 

@@ -40,6 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pin.core.backward_end import EndOfBackward
+from lightning_pin.core import kinds
 from lightning_pin.core.buffers import BufferHold
 from lightning_pin.core.compiled_step import install
 from lightning_pin.core.engine import PinEngine, is_sharded
@@ -48,24 +49,26 @@ from lightning_pin.core.modules import ParameterWatch, unwrap
 from lightning_pin.core.plan import PinPlan, check_conflicts, refuse_sparse_gradients, resolve
 from lightning_pin.core.spec import Pin
 
-PinsLike = Union[Pin, Mapping[str, Any], Sequence[Union[Pin, Mapping[str, Any]]]]
+PinsLike = Union[Pin, Mapping[str, Any], Sequence[Union[Pin, Mapping[str, Any]]]]  # NeuronPins too
 
 # Live (not removed) handles by the module they pin: a second pin() on the same module is checked
 # against them, as PinCallback checks the other PinCallbacks of its trainer.
 _LIVE: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[PinHandle]] = weakref.WeakKeyDictionary()
 
 
-def as_pins(pins: PinsLike) -> list[Pin]:
-    """``pins`` as a list of :class:`Pin`: one Pin or mapping, or a sequence of them.
+def as_pins(pins: PinsLike) -> list[Any]:
+    """``pins`` as a list of :class:`Pin` (and of output kinds' pins, such as
+    :class:`~lightning_pin.NeuronPin`): one pin or mapping, or a sequence of them.
 
     Raises:
         PinError: ``pins`` is none of those.
     """
-    if isinstance(pins, (Pin, Mapping)):
+    if isinstance(pins, Mapping) or kinds.output_kind(pins) is not None or isinstance(pins, Pin):
         pins = [pins]
     if isinstance(pins, (str, bytes)) or not isinstance(pins, Sequence):
         raise PinError(f"pins must be a Pin, a mapping or a list of them, got {type(pins).__name__}")
-    return [Pin.from_config(p) for p in pins]
+    return [Pin.from_config(p) if kinds.output_kind(p) is None else kinds.output_kind(p).spec.from_config(p)
+            for p in pins]
 
 
 def unwrap_optimizer(optimizer: Any) -> Optimizer:
@@ -151,8 +154,11 @@ class PinHandle:
         *,
         strict: bool = True,
         compile_step: bool = False,
+        outputs: Sequence[Any] = (),
     ) -> None:
         self.module = module
+        #: The runtimes of the output kinds' pins (stuck neurons: forward hooks), by kind name.
+        self.outputs: dict[str, Any] = {hold.kind: hold for hold in outputs}
         self.optimizers = list(optimizers)
         self.engine = engine
         #: Default of :meth:`load_state_dict`'s ``strict``.
@@ -218,6 +224,8 @@ class PinHandle:
             self._handles.append(optimizer.register_step_post_hook(self._after_step))
         if self._compile_step:
             self._handles += install(engine, self.optimizers, lambda m: warnings.warn(m, UserWarning, stacklevel=4))
+        for hold in self.outputs.values():
+            self._handles += hold.attach()
 
     # ------------------------------------------------------------------------------------------
     # Checks that the handle still applies
@@ -368,6 +376,8 @@ class PinHandle:
         # batch's decision until the next batch_start.
         self.engine.set_active(self.engine.ids_at(self.step, self._hits))
         self.buffers.update(self.engine.active)
+        for hold in self.outputs.values():
+            hold.set_step(self.step)
 
     # ------------------------------------------------------------------------------------------
     # Checks and state
@@ -492,7 +502,10 @@ class PinHandle:
     def state_dict(self) -> dict[str, Any]:
         """Selections, targets (captured ones too), activity and the step count: tensors, lists,
         dicts and primitives only, so ``torch.load(weights_only=True)`` reads it back."""
-        return self.engine.state_dict(step=self.step)
+        state = self.engine.state_dict(step=self.step)
+        if self.outputs:
+            state["outputs"] = {kind: hold.state_dict() for kind, hold in self.outputs.items()}
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any], strict: Optional[bool] = None) -> None:
         """Resume: take the saved targets and step count, and force the targets into the weights.
@@ -518,6 +531,7 @@ class PinHandle:
                 self.step = saved.step
         self.engine.set_active(self.engine.ids_at(self.step, self._hits))
         self.engine.force()
+        load_outputs(self.outputs, state, self.strict if strict is None else strict, self.step)
         # The loaded weights hold the buffers the saved run held: take them as the held values.
         self.buffers.update(self.engine.active, recapture=True)
 
@@ -617,7 +631,9 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
                 "would hold them. Pass the optimizer(s) that train the module: pin(model, optimizer, pins)"
             )
         optimizer_list = [unwrap_optimizer(o) for o in optimizer_list]
-        engine: Optional[PinEngine] = PinEngine(resolve(as_pins(pins), target))  # every check, nothing touched
+        weight_pins, output_pins = kinds.split(as_pins(pins))
+        engine: Optional[PinEngine] = PinEngine(resolve(weight_pins, target))  # every check, nothing touched
+        outputs = [kind.hold(specs, target) for kind, specs in output_pins]
         refuse_sparse_gradients(engine.plan, target)
         _refuse_conflicts_with_live_handles(engine.plan, target)
         rejected = None
@@ -628,7 +644,7 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         ranks_agree(engine, rejected, device)
     if rejected is not None:
         raise rejected
-    handle = PinHandle(target, optimizer_list, engine, strict=strict, compile_step=compile_step)
+    handle = PinHandle(target, optimizer_list, engine, strict=strict, compile_step=compile_step, outputs=outputs)
     engine.grads_read_before_step = bool(zero_pinned_grads)
     try:
         # Capture and force the pins of step 0 before attaching to the optimizers, so that their
@@ -642,6 +658,28 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         raise
     _LIVE.setdefault(target, weakref.WeakSet()).add(handle)
     return handle
+
+
+def load_outputs(outputs: Mapping[str, Any], state: Mapping[str, Any], strict: bool, step: Optional[int],
+                 warn: Any = None) -> None:
+    """Give each output kind's runtime its saved form (under ``"outputs"`` of the pin state).
+
+    Raises:
+        PinError: with ``strict``, the state lacks one of them or holds one these pins do not have.
+    """
+    saved = state.get("outputs") or {} if isinstance(state, Mapping) else {}
+    warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=4))
+    missing, extra = sorted(set(outputs) - set(saved)), sorted(set(saved) - set(outputs))
+    if (missing or extra) and strict:
+        raise PinError(
+            f"the checkpoint's pin state does not match these pins: it holds no state of {missing} pins"
+            if missing else f"the checkpoint's pin state holds {extra} pins these pins do not have"
+        ) from None
+    for kind, hold in outputs.items():
+        if kind in saved:
+            hold.load_state_dict(saved[kind], strict=strict, warn=warn)
+        if step is not None:
+            hold.set_step(step)
 
 
 class _Undo:

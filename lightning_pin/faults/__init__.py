@@ -12,6 +12,8 @@ faults for a module and return plain :class:`~lightning_pin.Pin` lists, to give 
   while a ``with`` block evaluates the model, and the words are restored exactly on exit;
 - :func:`quantize`: the forward reads each weight's dequantized integer code (quantization-aware
   training); with ``bit_faults(..., code=QuantCode(...))`` the stuck bits are bits of those codes;
+- :func:`neuron_faults`: a ``rate`` fraction of the channels (or output positions) of chosen
+  modules stuck at 0, at saturation or at seeded values in every forward (:class:`~lightning_pin.NeuronPin`);
 - :func:`save_fault_map` / :func:`load_fault_map`: one file format for stuck values, stuck bits
   and bounds per parameter name, so a chip's measured fault map can be pinned as it is.
 
@@ -25,6 +27,7 @@ from lightning_pin.faults.cells import cell_faults
 from lightning_pin.faults.fault_map import load_fault_map, save_fault_map
 from lightning_pin.faults.flips import BitFlips, WordPatch, changed_bits, flip_bits, forced_patch
 from lightning_pin.faults.quantize import QuantizeHandle, quantize, quantize_codes
+from lightning_pin.faults.neurons import neuron_faults
 
 __all__ = [
     "BitFlips",
@@ -40,5 +43,6 @@ __all__ = [
     "load_fault_map",
     "quantize",
     "quantize_codes",
+    "neuron_faults",
     "save_fault_map",
 ]

@@ -215,6 +215,8 @@ MIN_SEEDS_FOR_CI = 3
 def _rate_label(kind: str) -> str:
     if kind in ("bit", "flip"):
         return f"bit error rate (% of the stored bits, kind={kind})"
+    if kind == "neuron":
+        return f"fault rate (% of the units: channels or output positions, kind={kind})"
     return f"fault rate (% of the cells, kind={kind})"
 
 
@@ -350,7 +352,8 @@ def plot_layers(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") 
     ax.set_ylim(0, 1.02)
     note = (f"no error bars with fewer than {MIN_SEEDS_FOR_CI} seeds" if seeds < MIN_SEEDS_FOR_CI else
             "error bars: 95% CI over seeds" + (", clipped to [0, 1]" if clipped_any else ""))
-    unit = "of the stored bits" if kind in ("bit", "flip") else "of the cells"
+    units = {"bit": "of the stored bits", "flip": "of the stored bits", "neuron": "of the units"}
+    unit = units.get(kind, "of the cells")
     ax.set_title(title or f"Faults in one parameter at a time ({kind}, rate {float(rate):g} {unit}, {seeds} seed(s));"
                  f"\nthe same rate is more faults in a larger layer ({note})", fontsize=9)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, frameon=False)

@@ -10,6 +10,11 @@ name.
 
 A new kind is one module here (a subclass of ``Kind``) plus one line in :data:`KINDS`.
 
+Kinds that act on module *outputs* in every forward rather than on weights after the step (stuck
+neurons, :mod:`~lightning_pin.core.kinds.neuron`) are listed in :data:`OUTPUT_KINDS`: each names
+its spec class and builds its runtime on a model; the doors split a pin list with :func:`split`
+and never name an output kind.
+
 Example::
 
     >>> from lightning_pin import Pin
@@ -27,6 +32,7 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds._common import shared_positions
 from lightning_pin.core.kinds.base import Kind, Unreadable
 from lightning_pin.core.kinds.interval import Interval
+from lightning_pin.core.kinds.neuron import NeuronKind
 from lightning_pin.core.kinds.quant_code import QuantCode, QuantizedCode
 from lightning_pin.core.kinds.stuck_bits import StuckBits
 from lightning_pin.core.kinds.value import ExactValue
@@ -43,6 +49,12 @@ KINDS: tuple[type[Kind], ...] = (
     StuckBits,
     Interval,
 )
+#: Kinds that act on module outputs in the forward: each has ``kind``, ``spec`` (its pin class),
+#: ``config_key`` (the key a mapping of it carries instead of ``params``) and ``hold(pins, module)``
+#: (its runtime: ``attach()``, ``set_step()``, ``state_dict()`` / ``load_state_dict()``, ``summary()``).
+OUTPUT_KINDS: tuple[Any, ...] = (
+    NeuronKind,
+)
 #: The kinds by name.
 BY_NAME: dict[str, type[Kind]] = {kind.kind: kind for kind in KINDS}
 #: The kind of a pin that gives none of the other kinds' fields.
@@ -50,6 +62,32 @@ DEFAULT = KINDS[0]
 #: Pin fields of the kinds added after the first release: fingerprinted only when given, so pins
 #: that do not use them keep the fingerprints (and checkpoint state keys) of earlier releases.
 LATER_FIELDS = tuple(field for kind in KINDS[1:] for field in kind.pin_fields)
+
+
+def output_kind(pin: Any) -> Any:
+    """The output kind whose spec ``pin`` is (or whose ``config_key`` a mapping without ``params``
+    carries), else None (a weight pin)."""
+    from collections.abc import Mapping
+
+    for kind in OUTPUT_KINDS:
+        if isinstance(pin, kind.spec):
+            return kind
+        if isinstance(pin, Mapping) and kind.config_key in pin and "params" not in pin:
+            return kind
+    return None
+
+
+def split(pins: Any) -> tuple[list[Any], list[tuple[Any, list[Any]]]]:
+    """``pins`` as the weight pins and, per output kind that has any, its pins (in order)."""
+    weights: list[Any] = []
+    outputs: dict[Any, list[Any]] = {}
+    for pin in pins:
+        kind = output_kind(pin)
+        if kind is None:
+            weights.append(pin)
+        else:
+            outputs.setdefault(kind, []).append(pin)
+    return weights, [(kind, outputs[kind]) for kind in OUTPUT_KINDS if kind in outputs]
 
 
 def of(name: str) -> type[Kind]:
@@ -95,7 +133,7 @@ def check_conflict(first: Pin, a: Any, second: Pin, b: Any, name: str) -> None:
 
 
 __all__ = [
-    "BY_NAME", "DEFAULT", "KINDS", "LATER_FIELDS", "ExactValue", "Interval", "Kind", "QuantCode", "QuantizedCode",
-    "StuckBits", "Unreadable",
-    "check_conflict", "check_spec", "for_pin", "of",
+    "BY_NAME", "DEFAULT", "KINDS", "LATER_FIELDS", "OUTPUT_KINDS", "ExactValue", "Interval", "Kind", "NeuronKind",
+    "QuantCode", "QuantizedCode", "StuckBits", "Unreadable",
+    "check_conflict", "check_spec", "for_pin", "of", "output_kind", "split",
 ]

@@ -1,0 +1,789 @@
+"""Stuck neurons: the output kind. Positions of a module's output held in every forward.
+
+A permanent fault in an accelerator's processing element or output register does not sit in a
+stored weight: every value that unit computes reads a stuck value. A :class:`NeuronPin` selects
+positions of each matched module's output (whole channels, positions of the per-sample output,
+or a seeded fraction of them) and, in **every** forward (training and evaluation, every sample
+of the batch), makes them read ``value``, or the computed value with ``stuck_at_zero`` /
+``stuck_at_one`` bits stuck in its word (``bits = (bits & ~M0) | M1`` in the output's dtype).
+No gradient flows into a stuck position; the rest of the network trains around it.
+
+Weight kinds (:mod:`lightning_pin.core.kinds.base`) act on parameters after each optimizer
+step; this kind acts on module outputs in the forward, so it has its own runtime,
+:class:`NeuronHold`: patterns matched at :func:`~lightning_pin.pin` / fit start, positions
+resolved on the module's first output (refusals raised before that forward returns), a forward
+hook per matched module, a saved form (under ``"outputs"`` of the pin state) and summary words.
+The registry (:data:`lightning_pin.core.kinds.OUTPUT_KINDS`) lists it as :class:`NeuronKind`.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_pin import NeuronPin, pin
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> with pin(model, optimizer, [NeuronPin("0", channels=[1, 3], value=0.5)]):
+    ...     hidden = model[0](torch.randn(5, 3))
+    >>> hidden[:, [1, 3]].unique().tolist()
+    [0.5]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import fnmatch
+import hashlib
+import math
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_pin.core.bitwords import hex_word
+from lightning_pin.core.errors import PinError
+from lightning_pin.core.kinds.stuck_bits import BITS_DTYPES
+
+_FIELDS = (
+    "modules", "channels", "indices", "fraction", "seed", "axis", "value", "stuck_at_zero", "stuck_at_one",
+    "start_step", "stop_step",
+)
+#: Version of the saved form (:meth:`NeuronHold.state_dict`).
+NEURON_STATE_VERSION = 1
+
+
+class _DefaultValue(float):
+    """The default ``value=0.0``: told apart from an explicit ``0.0``, so that ``value`` given with
+    stuck bits is refused while stuck bits alone are not."""
+
+    def __repr__(self) -> str:
+        return "0.0"
+
+
+_ZERO = _DefaultValue(0.0)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (str, bytes, Tensor)) or value is None:
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class NeuronPin:
+    """Positions of each matched module's output, stuck in every forward.
+
+    Args:
+        modules: A name of ``named_modules()``, a glob (``"layer*.conv1"``), a ``re:`` pattern (the
+            whole name must match), or a list of them.
+        channels: Whole channels along ``axis`` (counted with the batch dimension as axis 0:
+            ``axis=1`` is a convolution's channels or a linear layer's features).
+        indices: Positions in the per-sample output shape (tuples, or ints for a 1-d per-sample shape).
+        fraction: A seeded ``round(fraction * n)`` (at least 1) of the ``n`` per-sample positions,
+            drawn from ``seed`` and the module's name: the same on every rank, run and resume, and
+            nested (a larger fraction with the same seed holds every position of a smaller one).
+        seed: The seed of ``fraction``.
+        axis: The axis of ``channels``.
+        value: What the selected positions read: a number, or one number per channel / index.
+        stuck_at_zero: Bits stuck at 0 in the output word (an int; ``0x80000000`` is float32's sign bit).
+        stuck_at_one: Bits stuck at 1. With either, the computed value keeps its other bits; ``value``
+            may not be given with them.
+        start_step: First optimizer step the pin is active (default: from the start).
+        stop_step: The pin is active up to this step, exclusive (default: to the end).
+
+    At most one of ``channels``, ``indices`` and ``fraction``; none means the whole output. A
+    module returning a tuple has its first output stuck. Bad fields raise
+    :class:`~lightning_pin.PinError` here; what needs the output (its shape and dtype) is checked
+    on the module's first forward, before it returns.
+
+    Example::
+
+        >>> NeuronPin("layer1.0.conv1", channels=[3, 7])
+        NeuronPin(modules='layer1.0.conv1', channels=(3, 7))
+        >>> NeuronPin("fc1", indices=[5], stuck_at_one=0x40000000).describe()
+        'output positions [(5,)]  stuck bits at 1 0x40000000'
+        >>> NeuronPin("fc1", value=1.0, stuck_at_zero=1)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_pin.core.errors.PinError: NeuronPin(modules='fc1', value=1.0, stuck_at_zero=0x1): value= ... not both
+    """
+
+    modules: Union[str, Sequence[str]]
+    channels: Optional[Union[int, Sequence[int]]] = None
+    indices: Optional[Sequence[Any]] = None
+    fraction: Optional[float] = None
+    seed: int = 0
+    axis: int = 1
+    value: Union[float, Sequence[float]] = _ZERO
+    stuck_at_zero: Optional[int] = None
+    stuck_at_one: Optional[int] = None
+    start_step: Optional[int] = None
+    stop_step: Optional[int] = None
+
+    #: What a NeuronPin is in the pin state and the registry.
+    kind: ClassVar[str] = "neuron"
+
+    def __post_init__(self) -> None:
+        for name in _FIELDS:
+            object.__setattr__(self, name, _plain(getattr(self, name)))
+        if _is_int(self.channels):
+            object.__setattr__(self, "channels", (self.channels,))
+        if self.indices is not None and isinstance(self.indices, Sequence):
+            object.__setattr__(
+                self, "indices", tuple(tuple(i) if isinstance(i, Sequence) else (i,) for i in self.indices)
+            )
+        if isinstance(self.value, Tensor):
+            object.__setattr__(self, "value", tuple(float(v) for v in self.value.reshape(-1).tolist()))
+        _check(self)
+
+    @classmethod
+    def from_config(cls, config: NeuronPin | Mapping[str, Any]) -> NeuronPin:
+        """A ``NeuronPin`` from one or from a mapping with its keys (Hydra / YAML; ``modules`` required).
+
+        Raises:
+            PinError: unknown keys, or no ``modules``.
+        """
+        if isinstance(config, NeuronPin):
+            return config
+        keys = {str(k) for k in config.keys()} - {"_target_"}
+        unknown = sorted(keys - set(_FIELDS))
+        if unknown:
+            raise PinError(f"neuron pin {dict(config)!r} has unknown keys {unknown}; its keys are {list(_FIELDS)}")
+        if "modules" not in keys:
+            raise PinError(f"neuron pin {dict(config)!r} has no 'modules': name the modules whose outputs to pin")
+        return cls(**{k: config[k] for k in keys})
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        """The module patterns as a tuple."""
+        return (self.modules,) if isinstance(self.modules, str) else tuple(self.modules)
+
+    @property
+    def stuck_bits(self) -> bool:
+        """Whether the pin sticks bits (else it writes ``value``)."""
+        return self.stuck_at_zero is not None or self.stuck_at_one is not None
+
+    def in_window(self, step: int) -> bool:
+        """Whether the pin is active at optimizer step ``step``."""
+        start = self.start_step or 0
+        return step >= start and (self.stop_step is None or step < self.stop_step)
+
+    def fingerprint(self) -> str:
+        """A digest of every field: stable across processes, so a resume finds its state."""
+        digest = hashlib.sha256(b"NeuronPin")
+        for name in _FIELDS:
+            value = getattr(self, name)
+            digest.update(f"{name}={value!r};".encode())
+        return digest.hexdigest()[:16]
+
+    def to_config(self) -> dict[str, Any]:
+        """The fields as plain Python (lists, numbers, strings): a mapping :meth:`from_config` reads back.
+
+        Example::
+
+            >>> pin = NeuronPin("fc1", channels=[3], value=0.5)
+            >>> NeuronPin.from_config(pin.to_config()) == pin
+            True
+        """
+
+        def plain(value: Any) -> Any:
+            if isinstance(value, tuple):
+                return [plain(v) for v in value]
+            return float(value) if isinstance(value, float) else value
+
+        config = {"modules": plain(self.modules)}
+        for field in dataclasses.fields(self)[1:]:
+            value = getattr(self, field.name)
+            if type(value) is type(field.default) and value == field.default:
+                continue  # a default (the default value=0.0 too, told apart from an explicit 0.0)
+            config[field.name] = plain(value)
+        return config
+
+    def describe(self) -> str:
+        """The summary's words: where in the output and what it reads."""
+        if self.channels is not None:
+            where = f"output channels {list(self.channels)}" + ("" if self.axis == 1 else f" (axis {self.axis})")
+        elif self.indices is not None:
+            shown = list(self.indices[:6])
+            where = f"output positions {shown}{' ...' if len(self.indices) > 6 else ''}"
+        elif self.fraction is not None:
+            where = f"output fraction {self.fraction:g} (seed {self.seed})"
+        else:
+            where = "whole output"
+        if self.stuck_bits:
+            parts = []
+            if self.stuck_at_zero:
+                parts.append(f"at 0 {hex(self.stuck_at_zero)}")
+            if self.stuck_at_one:
+                parts.append(f"at 1 {hex(self.stuck_at_one)}")
+            what = "stuck bits " + ", ".join(parts or ["(none)"])
+        elif isinstance(self.value, tuple):
+            what = f"stuck at {len(self.value)} values in [{min(self.value):g}, {max(self.value):g}]"
+        else:
+            what = f"stuck at {float(self.value)!r}"
+        window = ""
+        if self.start_step is not None or self.stop_step is not None:
+            window = f"  steps [{self.start_step or 0}, {'end' if self.stop_step is None else self.stop_step})"
+        return f"{where}  {what}{window}"
+
+    def __repr__(self) -> str:
+        shown = [f"modules={self.modules!r}"]
+        for field in dataclasses.fields(self)[1:]:
+            value = getattr(self, field.name)
+            if field.name == "value" and type(value) is _DefaultValue:
+                continue
+            if value != field.default or type(value) is not type(field.default):
+                text = hex(value) if field.name.startswith("stuck") and _is_int(value) else repr(value)
+                shown.append(f"{field.name}={text if len(text) <= 80 else text[:77] + '...'}")
+        return f"NeuronPin({', '.join(shown)})"
+
+
+def _check(pin: NeuronPin) -> None:
+    """Every refusal that needs no module (at construction)."""
+    patterns = pin.modules
+    if isinstance(patterns, str):
+        patterns = (patterns,)
+    if not isinstance(patterns, tuple) or not patterns or not all(isinstance(p, str) and p != "" for p in patterns):
+        raise PinError(f"{pin!r}: modules must be a module name, a glob, a 're:' pattern or a non-empty list of them")
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as err:
+                raise PinError(f"{pin!r}: {pattern!r} is not a valid regular expression ({err})") from None
+    given = [name for name in ("channels", "indices", "fraction") if getattr(pin, name) is not None]
+    if len(given) > 1:
+        raise PinError(f"{pin!r}: give at most one of channels, indices and fraction (got {given})")
+    if pin.channels is not None:
+        if not isinstance(pin.channels, tuple) or not pin.channels or not all(
+            _is_int(c) and c >= 0 for c in pin.channels
+        ):
+            raise PinError(f"{pin!r}: channels must be a non-empty list of integers >= 0")
+    if pin.indices is not None:
+        ok = isinstance(pin.indices, tuple) and pin.indices and all(
+            isinstance(i, tuple) and i and all(_is_int(c) and c >= 0 for c in i) for i in pin.indices
+        )
+        if not ok or len({len(i) for i in pin.indices}) != 1:
+            raise PinError(
+                f"{pin!r}: indices must be a non-empty list of positions in the per-sample output shape, each a tuple "
+                "of integers >= 0 of one length (or ints, for a 1-d per-sample output)"
+            )
+    if pin.fraction is not None:
+        f = pin.fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise PinError(f"{pin!r}: fraction must be a number in (0, 1], got {f!r}")
+    if not _is_int(pin.seed):
+        raise PinError(f"{pin!r}: seed must be an integer, got {pin.seed!r}")
+    if not _is_int(pin.axis) or pin.axis == 0:
+        raise PinError(f"{pin!r}: axis must be a non-zero integer (axis 0 is the batch), got {pin.axis!r}")
+    values = pin.value if isinstance(pin.value, tuple) else (pin.value,)
+    if not values or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values
+    ):
+        raise PinError(f"{pin!r}: value must be a finite number or a non-empty list of them, got {pin.value!r}")
+    for name in ("stuck_at_zero", "stuck_at_one"):
+        mask = getattr(pin, name)
+        if mask is not None and not (_is_int(mask) and mask >= 0):
+            raise PinError(f"{pin!r}: {name} must be an integer bit mask >= 0, got {mask!r}")
+    if pin.stuck_bits and type(pin.value) is not _DefaultValue:
+        raise PinError(
+            f"{pin!r}: value= (the whole output) or stuck_at_zero= / stuck_at_one= (some bits of its word), not both"
+        )
+    if pin.stuck_at_zero and pin.stuck_at_one and pin.stuck_at_zero & pin.stuck_at_one:
+        raise PinError(
+            f"{pin!r}: stuck_at_zero and stuck_at_one overlap ({hex(pin.stuck_at_zero & pin.stuck_at_one)}): a bit "
+            "cannot be stuck at 0 and at 1"
+        )
+    if isinstance(pin.value, tuple) and pin.channels is None and pin.indices is None:
+        raise PinError(f"{pin!r}: a list of values needs channels= or indices= (one value each)")
+    if isinstance(pin.value, tuple):
+        count = len(pin.channels if pin.channels is not None else pin.indices)
+        if len(pin.value) != count:
+            raise PinError(f"{pin!r}: {len(pin.value)} values for {count} selected positions")
+    start, stop = pin.start_step, pin.stop_step
+    if start is not None and not (_is_int(start) and start >= 0):
+        raise PinError(f"{pin!r}: start_step must be None or an integer >= 0, got {start!r}")
+    if stop is not None and not (_is_int(stop) and stop > (start or 0)):
+        raise PinError(f"{pin!r}: stop_step must be None or an integer > start_step ({start or 0}), got {stop!r}")
+
+
+def _windows_overlap(a: NeuronPin, b: NeuronPin) -> bool:
+    a0, b0 = a.start_step or 0, b.start_step or 0
+    a1, b1 = a.stop_step if a.stop_step is not None else math.inf, b.stop_step if b.stop_step is not None else math.inf
+    return a0 < b1 and b0 < a1
+
+
+def match_modules(pin: NeuronPin, names: Sequence[str]) -> list[str]:
+    """The names of ``named_modules()`` that ``pin``'s patterns match, in module order.
+
+    Raises:
+        PinError: a pattern matches no module (with the closest names).
+    """
+    stripped = [n.replace("_orig_mod.", "") for n in names]
+    hits: set[str] = set()
+    for pattern in pin.patterns:
+        if pattern.startswith("re:"):
+            regex = re.compile(pattern[3:])
+            found = [n for n, bare in zip(names, stripped) if regex.fullmatch(n) or regex.fullmatch(bare)]
+        else:
+            found = [n for n, bare in zip(names, stripped)
+                     if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(bare, pattern)]
+        if not found:
+            close = difflib.get_close_matches(pattern.removeprefix("re:"), stripped, n=5, cutoff=0.3)
+            hint = f"closest names: {close}" if close else f"module names start with: {stripped[:5]}"
+            raise PinError(
+                f"{pin!r}: pattern {pattern!r} matches no module of the model ({len(names)} modules); {hint}. "
+                "Globs and 're:' patterns must match the whole name of named_modules()."
+            )
+        hits.update(found)
+    return [n for n in names if n in hits]
+
+
+def name_seed(name: str, seed: int) -> int:
+    """A 63-bit generator seed from ``seed`` and a module name, stable across processes (the plan's
+    rule for parameter names, restated here: the kinds do not import the plan)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+def fraction_positions(name: str, numel: int, fraction: float, seed: int) -> Tensor:
+    """``round(fraction * numel)`` (at least 1) flat per-sample positions, sorted: those with the
+    smallest seeded random keys, so a larger fraction with the same seed holds a smaller one's."""
+    count = max(1, round(fraction * numel))
+    keys = torch.rand(numel, generator=torch.Generator().manual_seed(name_seed(name, seed)), dtype=torch.float64)
+    return keys.argsort(stable=True)[:count].sort().values
+
+
+# ------------------------------------------------------------------------------------------------
+# Resolution on a module's first output
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One pin on one module, resolved: the flat positions in ``shape`` (a broadcastable per-sample
+    shape: size 1 on every axis but ``axis`` for channels), and what they read."""
+
+    pin_id: int
+    pin: NeuronPin
+    shape: tuple[int, ...]  # with the batch axis (size 1)
+    flat: Tensor  # int64, sorted, into prod(shape)
+    values: Optional[Tensor] = None  # float64, one per flat position (value pins)
+
+    def dense(self, full: tuple[int, ...]) -> tuple[Tensor, Optional[Tensor]]:
+        """The mask (and values) in ``full``'s broadcast shape, on the CPU."""
+        mask = torch.zeros(math.prod(self.shape), dtype=torch.bool)
+        mask[self.flat] = True
+        mask = mask.reshape(self.shape).expand(full)
+        if self.values is None:
+            return mask.clone(), None
+        values = torch.zeros(math.prod(self.shape), dtype=torch.float64)
+        values[self.flat] = self.values
+        return mask.clone(), values.reshape(self.shape).expand(full).clone()
+
+
+def _resolve_entry(pin_id: int, pin: NeuronPin, name: str, out: Tensor, saved: Optional[Mapping[str, Any]]) -> _Entry:
+    where = f"{pin!r} on {name!r}"
+    sample = tuple(out.shape[1:])
+    ndim = out.dim()
+    if pin.channels is not None:
+        axis = pin.axis if pin.axis > 0 else pin.axis + ndim
+        if not 1 <= axis < ndim:
+            raise PinError(
+                f"{where}: axis {pin.axis} is not a channel axis of its output of shape {tuple(out.shape)} (axis 0 is "
+                f"the batch; give 1..{ndim - 1})"
+            )
+        size = out.shape[axis]
+        bad = [c for c in pin.channels if c >= size]
+        if bad:
+            raise PinError(
+                f"{where}: channels {bad} are outside its output's {size} channels along axis {axis} (output shape "
+                f"{tuple(out.shape)}); give channels in 0..{size - 1}"
+            )
+        shape = tuple(size if i == axis else 1 for i in range(ndim))
+        flat = torch.tensor(sorted(set(pin.channels)), dtype=torch.int64)
+        order = list(pin.channels)
+    elif pin.indices is not None:
+        if len(pin.indices[0]) != len(sample):
+            raise PinError(
+                f"{where}: indices have {len(pin.indices[0])} coordinates, its per-sample output shape {sample} has "
+                f"{len(sample)} (positions are per sample, without the batch axis)"
+            )
+        bad = [i for i in pin.indices if any(c >= s for c, s in zip(i, sample))]
+        if bad:
+            raise PinError(
+                f"{where}: indices {bad[:5]} are outside its per-sample output shape {sample} (output shape "
+                f"{tuple(out.shape)})"
+            )
+        shape = (1, *sample)
+        coords = torch.tensor(pin.indices, dtype=torch.int64)
+        strides = torch.tensor([math.prod(sample[i + 1:]) for i in range(len(sample))], dtype=torch.int64)
+        positions = (coords * strides).sum(1)
+        flat = positions.unique()
+        order = positions.tolist()
+    else:
+        shape = (1, *sample)
+        numel = math.prod(sample)
+        if pin.fraction is not None:
+            flat = fraction_positions(name, numel, float(pin.fraction), int(pin.seed))
+        else:  # the whole output: one position broadcast over any shape
+            shape, flat = (1,) * ndim, torch.zeros(1, dtype=torch.int64)
+        order = None
+    if saved is not None:
+        saved_shape, saved_flat = tuple(saved["shape"]), saved["flat"]
+        if saved_shape != shape:
+            raise PinError(
+                f"{where}: the saved pin state holds its positions in an output of shape {saved_shape[1:]}, the "
+                f"module's output now has {shape[1:]}: resume with the model the state was saved with"
+            )
+        flat = saved_flat.to(torch.int64)
+    values = None
+    if not pin.stuck_bits:
+        if isinstance(pin.value, tuple):
+            by_position = dict(zip(order, pin.value))
+            values = torch.tensor([by_position[int(p)] for p in flat.tolist()], dtype=torch.float64)
+        else:
+            values = torch.full((flat.numel(),), float(pin.value), dtype=torch.float64)
+        cast = values.to(out.dtype)
+        if not torch.isfinite(cast).all():
+            raise PinError(f"{where}: value {pin.value!r} overflows its output's dtype {out.dtype}")
+    return _Entry(pin_id, pin, shape, flat, values)
+
+
+def _signed(mask: int, width: int) -> int:
+    """``mask`` as the signed integer of ``width`` bits with the same bits (``0x80000000`` -> ``-2**31``)."""
+    return mask - (1 << width) if mask >= 1 << (width - 1) else mask
+
+
+class _Composed:
+    """The tensors one forward uses for one set of active pins, on the output's device and dtype."""
+
+    def __init__(self, entries: Sequence[_Entry], out: Tensor, shapes: Sequence[tuple[int, ...]]) -> None:
+        # ``shapes``: of every entry on the module, active or not (none active: nothing to write).
+        full = tuple(torch.broadcast_shapes(*shapes))
+        self.shape = full
+        self.dtype, self.device = out.dtype, out.device
+        value_mask = torch.zeros(full, dtype=torch.bool)
+        values = torch.zeros(full, dtype=torch.float64)
+        bits_mask = torch.zeros(full, dtype=torch.bool)
+        int_dtype = BITS_DTYPES.get(out.dtype)
+        width = torch.iinfo(int_dtype).bits if int_dtype is not None else 0
+        keep = torch.full(full, -1, dtype=torch.int64)
+        set_ = torch.zeros(full, dtype=torch.int64)
+        for e in entries:
+            mask, v = e.dense(full)
+            if v is not None:
+                value_mask |= mask
+                values = torch.where(mask, v, values)
+            else:
+                bits_mask |= mask
+                keep = torch.where(mask, torch.tensor(~_signed(e.pin.stuck_at_zero or 0, width)), keep)
+                set_ = torch.where(mask, torch.tensor(_signed(e.pin.stuck_at_one or 0, width)), set_)
+        device = out.device
+        self.value_mask = value_mask.to(device) if bool(value_mask.any()) else None
+        self.values = values.to(out.dtype).to(device) if self.value_mask is not None else None
+        self.bits_mask = bits_mask.to(device) if bool(bits_mask.any()) else None
+        #: Whether any position is written (else the hook leaves the output alone).
+        self.writes = self.value_mask is not None or self.bits_mask is not None
+        if self.bits_mask is not None:
+            self.int_dtype = int_dtype
+            self.keep = keep.to(int_dtype).to(device)
+            self.set = set_.to(int_dtype).to(device)
+
+    def apply(self, out: Tensor) -> Tensor:
+        """``out`` with the stuck positions written; no gradient flows into them (sync-free)."""
+        stuck = out
+        if self.bits_mask is not None:
+            bits = out.detach().view(self.int_dtype)
+            word = ((bits & self.keep) | self.set).view(out.dtype)
+            stuck = torch.where(self.bits_mask, word, stuck)
+        if self.value_mask is not None:
+            stuck = torch.where(self.value_mask, self.values, stuck)
+        return stuck
+
+
+class NeuronHold:
+    """The neuron pins of one model at work: forward hooks on the matched modules.
+
+    Built by :func:`~lightning_pin.pin` and :class:`~lightning_pin.PinCallback` (patterns matched
+    then: a pattern matching no module is a :class:`~lightning_pin.PinError` before any forward).
+    Positions resolve on each module's first output; :meth:`set_step` (called by the doors when
+    the optimizer step count moves) decides which pins are active, host-side only.
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+        >>> hold = NeuronHold([NeuronPin("0", indices=[2], value=-1.0)], model)
+        >>> hooks = hold.attach()
+        >>> model(torch.ones(4, 2))[:, 2].tolist()
+        [-1.0, -1.0, -1.0, -1.0]
+        >>> print(hold.summary())
+        0  output positions [(2,)]  stuck at -1.0
+        >>> for h in hooks: h.remove()
+    """
+
+    #: The output kind's name (the key of its saved form under ``"outputs"`` of the pin state).
+    kind: ClassVar[str] = "neuron"
+
+    def __init__(self, pins: Sequence[NeuronPin], module: nn.Module) -> None:
+        self.pins = list(pins)
+        names = [n for n, _ in module.named_modules() if n]  # the root ("") is the model, not a unit
+        modules = dict(module.named_modules())
+        #: Module name -> the ids of the pins on it.
+        self.matched: dict[str, list[int]] = {}
+        for pin_id, p in enumerate(self.pins):
+            for name in match_modules(p, names):
+                self.matched.setdefault(name, []).append(pin_id)
+        self.matched = {n: self.matched[n] for n in names if n in self.matched}
+        self._modules = {n: modules[n] for n in self.matched}
+        self._entries: dict[str, list[_Entry]] = {}
+        self._saved: dict[tuple[int, str], Mapping[str, Any]] = {}
+        self.step = 0
+        self._active = frozenset(i for i, p in enumerate(self.pins) if p.in_window(0))
+        self._composed: dict[tuple[str, frozenset[int]], _Composed] = {}
+        self._seen: dict[str, tuple[int, ...]] = {}
+        self._paused = False
+
+    # --------------------------------------------------------------------------------------
+    # Steps
+
+    def set_step(self, step: int) -> None:
+        """Make the pins in their window at optimizer step ``step`` active (host-side only)."""
+        self.step = step
+        active = frozenset(i for i, p in enumerate(self.pins) if p.in_window(step))
+        if active != self._active:
+            self._active = active
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Within the block, the hooks leave every output alone: what the model computes without
+        the faults (the monitor's baseline accuracy, measured after the hooks are placed)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    @property
+    def active(self) -> frozenset[int]:
+        """Ids of the active pins."""
+        return self._active
+
+    # --------------------------------------------------------------------------------------
+    # Hooks
+
+    def attach(self) -> list[RemovableHandle]:
+        """One forward hook per matched module, ahead of any other forward hook (``prepend``):
+        every hook and module after it sees the stuck values."""
+        if "torch._dynamo" in sys.modules:  # torch.compile is in use: have the eager path ready before tracing
+            _out_of_graph()
+        return [
+            module.register_forward_hook(self._hook_for(name), prepend=True) for name, module in self._modules.items()
+        ]
+
+    def _hook_for(self, name: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if self._paused:
+                return None
+            first = output[0] if isinstance(output, tuple) else output
+            composed = self._composed_for(name, first)
+            if not composed.writes:
+                return None
+            stuck = composed.apply(first)
+            return (stuck, *output[1:]) if isinstance(output, tuple) else stuck
+
+        return hook
+
+    def _composed_for(self, name: str, out: Any) -> _Composed:
+        active = self._active
+        if isinstance(out, Tensor):
+            # Per dtype and device too: a mixed-precision training forward and a float32 evaluation
+            # alternate without rebuilding anything.
+            composed = self._composed.get((name, active, out.dtype, out.device))
+            same_shape = self._seen.get(name) == tuple(out.shape[1:])
+            if composed is not None and out.dim() == len(composed.shape) and same_shape:
+                return composed
+        if torch.compiler.is_compiling():
+            return _out_of_graph()(self, name, out, active)
+        return self._compose(name, out, active)
+
+    def _compose(self, name: str, out: Any, active: frozenset[int]) -> _Composed:
+        """Resolve (first forward), check the output, and build the tensors for ``active``: may sync."""
+        if not isinstance(out, Tensor) or not out.is_floating_point():
+            what = type(out).__name__ if not isinstance(out, Tensor) else f"a {out.dtype} tensor"
+            raise PinError(
+                f"neuron pins {[self.pins[i] for i in self.matched[name]]} on {name!r}: its output is {what}, not a "
+                "floating-point tensor; pin a module whose (first) output is floating point"
+            )
+        if out.dtype not in BITS_DTYPES:
+            raise PinError(f"neuron pins on {name!r}: its output dtype {out.dtype} is not supported")
+        if out.dim() < 1:
+            raise PinError(f"neuron pins on {name!r}: its output is a scalar; a batch axis is needed")
+        if name not in self._entries:
+            entries = [
+                _resolve_entry(i, self.pins[i], name, out, self._saved.get((i, name))) for i in self.matched[name]
+            ]
+            width = torch.iinfo(BITS_DTYPES[out.dtype]).bits
+            for e in entries:
+                for field in ("stuck_at_zero", "stuck_at_one"):
+                    mask = getattr(e.pin, field)
+                    if mask is not None and mask >> width:
+                        raise PinError(
+                            f"{e.pin!r} on {name!r}: {field}={hex(mask)} is wider than its output's {out.dtype} word "
+                            f"({width} bits); give a mask below {hex(1 << width)}"
+                        )
+            _check_agree(name, entries, tuple(out.shape))
+            self._entries[name] = entries
+        entries = self._entries[name]
+        sample = tuple(out.shape[1:])
+        for e in entries:
+            if len(e.shape) != out.dim() or any(s != 1 and s != o for s, o in zip(e.shape[1:], sample)):
+                raise PinError(
+                    f"{e.pin!r} on {name!r}: its positions were resolved on a per-sample output of shape "
+                    f"{e.shape[1:]}, "
+                    f"this forward's output has {sample}; positions other than whole channels need one output shape"
+                )
+        live = [e for e in entries if e.pin_id in active]
+        composed = _Composed(live, out, [e.shape for e in entries])
+        if self._seen.get(name) != sample:
+            self._composed = {k: v for k, v in self._composed.items() if k[0] != name}  # another output shape
+        self._seen[name] = sample
+        self._composed[(name, active, out.dtype, out.device)] = composed
+        return composed
+
+    # --------------------------------------------------------------------------------------
+    # Words and the saved form
+
+    def summary(self) -> str:
+        """One line per (module, pin): ``layer1.0.conv1  output channels [3, 7]  stuck at 0.0``."""
+        return "\n".join(f"{name}  {self.pins[i].describe()}" for name, ids in self.matched.items() for i in ids)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The pins' fingerprints and the positions resolved so far (tensors, lists, primitives)."""
+        return {
+            "version": NEURON_STATE_VERSION,
+            "fingerprints": [p.fingerprint() for p in self.pins],
+            "step": self.step,
+            "positions": [
+                {"pin": e.pin_id, "module": name, "shape": list(e.shape), "flat": e.flat.clone()}
+                for name, entries in self._entries.items()
+                for e in entries
+            ],
+        }
+
+    def load_state_dict(self, state: Any, *, strict: bool = True, warn: Callable[[str], Any] = print) -> None:
+        """Take the saved positions: a module resolves on them at its next forward.
+
+        Raises:
+            PinError: with ``strict``, a state that is not this form or whose pins differ from these.
+        """
+        problem = _state_problem(state, self)
+        if problem:
+            if strict:
+                raise PinError(
+                    f"the checkpoint's neuron-pin state does not match these neuron pins: {problem}. Resume with the "
+                    "neuron pins the checkpoint was trained with, or pass strict=False to start them afresh"
+                )
+            warn(f"strict=False: ignoring saved neuron-pin state: {problem}")
+            return
+        self._saved = {
+            (int(p["pin"]), str(p["module"])): {"shape": tuple(int(s) for s in p["shape"]), "flat": p["flat"]}
+            for p in state["positions"]
+        }
+        self._entries.clear()  # resolved again, on the saved positions, at the next forward
+        self._composed.clear()
+        self._seen.clear()
+
+
+def _state_problem(state: Any, hold: NeuronHold) -> str:
+    if not isinstance(state, Mapping) or state.get("version") != NEURON_STATE_VERSION:
+        return f"it is not a version-{NEURON_STATE_VERSION} neuron-pin state"
+    mine = [p.fingerprint() for p in hold.pins]
+    if list(state.get("fingerprints", ())) != mine:
+        return f"it holds pins {list(state.get('fingerprints', ()))}, these are {mine}"
+    for p in state.get("positions", ()):
+        if not (isinstance(p, Mapping) and isinstance(p.get("flat"), Tensor) and p.get("module") in hold.matched
+                and p.get("pin") in hold.matched[p["module"]]):
+            return f"a saved position entry names no matched module and pin ({_brief(p)})"
+    return ""
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+def _check_agree(name: str, entries: Sequence[_Entry], out_shape: tuple[int, ...]) -> None:
+    """Two neuron pins at overlapping steps may share a position only if they read the same there."""
+    for i, a in enumerate(entries):
+        for b in entries[i + 1:]:
+            if not _windows_overlap(a.pin, b.pin):
+                continue
+            full = tuple(torch.broadcast_shapes(a.shape, b.shape))
+            mask_a, values_a = a.dense(full)
+            mask_b, values_b = b.dense(full)
+            both = mask_a & mask_b
+            if not bool(both.any()):
+                continue
+            if values_a is not None and values_b is not None:
+                differ = both & (values_a != values_b)
+            elif values_a is None and values_b is None:
+                masks_a = (a.pin.stuck_at_zero or 0, a.pin.stuck_at_one or 0)
+                same = masks_a == (b.pin.stuck_at_zero or 0, b.pin.stuck_at_one or 0)
+                differ = both & (not same)
+            else:
+                differ = both
+            if bool(differ.any()):
+                where = tuple(int(c) for c in differ.nonzero()[0][1:])
+                raise PinError(
+                    f"{a.pin!r} and {b.pin!r} disagree on output position {where} of {name!r} at overlapping steps "
+                    f"({a.pin.describe()} / {b.pin.describe()}): select disjoint positions or separate their step "
+                    "windows"
+                )
+
+
+# The first forward of a module (and any forward whose output differs in dtype, device or shape
+# from the last one) resolves and checks on the host, which a compiled graph cannot hold: under
+# torch.compile it runs eagerly (a graph break), and the steady-state path is compiled. Made on
+# first need: torch.compiler.disable imports dynamo (seconds), which an eager model never needs.
+_OUT_OF_GRAPH: list[Callable[..., _Composed]] = []
+
+
+def _out_of_graph() -> Callable[..., _Composed]:
+    if not _OUT_OF_GRAPH:
+        _OUT_OF_GRAPH.append(torch.compiler.disable(NeuronHold._compose))
+    return _OUT_OF_GRAPH[0]
+
+
+class NeuronKind:
+    """The registry's entry for neuron pins (an output kind: it acts on module outputs in the forward).
+
+    An output kind names its spec class (what a pin of it is), the config key a mapping of it
+    carries, and builds its runtime on a model (``hold(pins, module)``: ``attach()``,
+    ``set_step(step)``, ``state_dict()`` / ``load_state_dict()``, ``summary()``).
+    """
+
+    kind: ClassVar[str] = "neuron"
+    words: ClassVar[str] = "stuck neurons"
+    spec: ClassVar[type] = NeuronPin
+    #: A mapping with this key (and no ``params``) is a pin of this kind (Hydra / YAML).
+    config_key: ClassVar[str] = "modules"
+
+    @classmethod
+    def hold(cls, pins: Sequence[NeuronPin], module: nn.Module) -> NeuronHold:
+        """The pins' runtime on ``module`` (patterns matched now)."""
+        return NeuronHold(pins, module)
+
+
+__all__ = ["NeuronHold", "NeuronKind", "NeuronPin", "fraction_positions", "match_modules"]
