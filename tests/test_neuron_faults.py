@@ -194,11 +194,16 @@ def test_study_kind_neuron_retrained_and_forced_only(tmp_path):
     assert [r["forced"] for r in _rows(forced / "fault_curve.csv")] == [r["forced"] for r in retrained]
 
 
-def test_app_pin_neuron_faults(tmp_path):
+def test_app_pin_neuron_faults(tmp_path, capsys):
     from lightning_pin.app.compose import compose_app
     from lightning_pin.app.train import run
 
     cfg = compose_app([*TINY, "pin=neuron_faults", "pin.rate=0.25", "pin.stuck=sa1", "pin.high=3.0"], tmp_path / "run")
     summary = run(cfg)
     assert summary["forced"] != summary["baseline"] and summary["final"] is not None
+    # The summary says what holds (the neuron pins), not "nothing pinned".
+    assert summary["pinned_elements"] == 0 and summary["output_pins"] > 0
+    printed = capsys.readouterr().out
+    assert f"outputs   {summary['output_pins']} pin(s) on module outputs (stuck neurons)" in printed
+    assert "nothing pinned" not in printed
 

@@ -232,6 +232,8 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
     report = pin_report(pin_callback, output_dir)
     summary = make_summary(cfg, report, output_dir, seconds=time.perf_counter() - started, built=built)
     summary["train_loss"] = _last_loss(trainer)
+    # Pins on module outputs (stuck neurons) hold in every forward, not in weights: counted apart.
+    summary["output_pins"] = sum(len(group) for _, group in kinds.split(pins)[1])
     classes = getattr(datamodule, "num_classes", None)
     chance = 1.0 / classes if classes and summary.get("metric") == "accuracy" else None
     summary["diverged"] = diverged(summary, higher_is_better=report.get("higher_is_better", True), chance=chance)
@@ -519,7 +521,10 @@ def print_summary(summary: dict[str, Any]) -> None:
             "  pins      exact: verified with torch.equal on every pinned element; "
             f"{summary['violations']} violations logged"
         )
-    else:
+    if summary.get("output_pins"):
+        lines.append(f"  outputs   {summary['output_pins']} pin(s) on module outputs (stuck neurons), held in every "
+                     "forward by their hooks")
+    if not summary.get("pinned_elements") and not summary.get("output_pins"):
         lines.append("  pins      nothing pinned (no pin selects an element): nothing to verify")
     drift = []
     if summary.get("pin_drift_max") is not None:
