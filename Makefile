@@ -10,8 +10,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 # torchvision built for that torch (model=torchvision, data=cifar10): installed beside it from the same CPU index.
-# From the default index it is not: PyPI's torchvision is a CUDA build that does not load beside a CPU-only torch,
-# and the recipes' tests then skip saying so.
+# A torchvision that does not load beside this torch (a CUDA build found on a local mirror) is uninstalled again:
+# torchmetrics imports torchvision when it is installed. From the default index it is not tried at all.
 VISION_SPEC ?= torchvision==0.28.0
 TORCH_INDEX ?= cpu
 ifeq ($(TORCH_INDEX),cpu)
@@ -35,8 +35,10 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || { \
 	  { test -n "$(TORCH_URL)" && \
 	    $(PY) -m pip install -q --timeout 5 --retries 0 --index-url "$(TORCH_URL)" "$(TORCH_SPEC)" && \
-	    { $(PY) -m pip install -q --timeout 5 --retries 0 --index-url "$(TORCH_URL)" "$(VISION_SPEC)" || \
-	      echo "make: no $(VISION_SPEC) from $(TORCH_URL); model=torchvision and data=cifar10 need it"; }; } || \
+	    { { $(PY) -m pip install -q --timeout 5 --retries 0 --index-url "$(TORCH_URL)" "$(VISION_SPEC)" && \
+	        $(PY) -c "import torchvision" 2>/dev/null; } || \
+	      { $(PY) -m pip uninstall -q -y torchvision 2>/dev/null; \
+	        echo "make: no $(VISION_SPEC) that loads beside this torch; model=torchvision and data=cifar10 need it"; }; }; } || \
 	  { test -z "$(TORCH_URL)" || echo "make: no $(TORCH_SPEC) from $(TORCH_URL); trying the default index"; \
 	    $(PY) -m pip install -q "$(TORCH_SPEC)"; }; }
 	$(PY) -m pip install -q -e ".[dev,app,export,tune,cluster]"
