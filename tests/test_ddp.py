@@ -16,6 +16,10 @@ from helpers import StepRecorder, TinyNet, check_pins, flat_index, make_loader, 
 from lightning_pin import Pin, PinCallback, PinError, QuantCode
 from lightning_pin.core.plan import fraction_indices
 
+# Under pytest-xdist (make test) every test that starts several processes runs on one worker, one at a time:
+# two process groups starting side by side compete for ports and for the two cores.
+pytestmark = pytest.mark.xdist_group("processes")
+
 ENC_COORDS = [(0, 0), (5, 7), (11, 2)]
 ENC_VALUES = [1.5, -2.0, 0.0]
 STUCK_COORDS = [(1, 1), (6, 3), (12, 5)]

@@ -12,6 +12,10 @@ from test_ddp import DDPNet, RankRecorder
 from lightning_pin import Pin, PinCallback
 from lightning_pin.core.plan import fraction_indices
 
+# Under pytest-xdist (make test) every test that starts several processes runs on one worker, one at a time:
+# two process groups starting side by side compete for ports and for the two cores.
+pytestmark = pytest.mark.xdist_group("processes")
+
 COORDS = [(1, 1), (7, 3)]
 VALUES = [0.25, -3.0]
 

@@ -18,6 +18,10 @@ import torch
 
 from lightning_pin.core.plan import fraction_indices
 
+# Under pytest-xdist (make test) every test that starts several processes runs on one worker, one at a time:
+# two process groups starting side by side compete for ports and for the two cores.
+pytestmark = pytest.mark.xdist_group("processes")
+
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
 ELEMENTS = [((0, 0), 25.0), ((9, 3), 5.0), ((15, 7), -0.5)]
 STUCK_ROWS, STUCK_COLS = torch.tensor([2, 10, 14]), torch.tensor([1, 5, 0])

@@ -22,6 +22,10 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_pin import Pin, PinError, pin
 from lightning_pin.core.plan import fraction_indices
 
+# Under pytest-xdist (make test) every test that starts several processes runs on one worker, one at a time:
+# two process groups starting side by side compete for ports and for the two cores.
+pytestmark = pytest.mark.xdist_group("processes")
+
 STEPS = 6
 ENC_COORDS = [(0, 0), (5, 7), (11, 2)]
 ENC_FLAT = torch.tensor([0, 5 * 8 + 7, 11 * 8 + 2])

@@ -401,6 +401,7 @@ class RankResults(Callback):
         path.write_text(json.dumps({"world_size": trainer.world_size, "results": monitor.results(), "synced": synced}))
 
 
+@pytest.mark.xdist_group("processes")  # one multi-process test at a time (see test_ddp.py)
 def test_metric_values_agree_across_two_ddp_ranks(tmp_path):
     torch.manual_seed(0)
     model = DDPValNet()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -15,6 +16,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import trainer
 from lightning_pin import NeuronPin, Pin, PinCallback
+
+# Under pytest-xdist (make test) every test that starts several processes runs on one worker, one at a time:
+# two process groups starting side by side compete for ports and for the two cores.
+pytestmark = pytest.mark.xdist_group("processes")
 
 CHANNELS = [1, 4]
 
