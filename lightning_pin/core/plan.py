@@ -57,13 +57,7 @@ class Selection:
     context: dict[str, Tensor] = dataclasses.field(default_factory=dict)
 
     def __getattr__(self, field: str) -> Any:
-        # A payload field by name (``selection.low``); None where the kind holds no such field.
-        payload = self.__dict__.get("payload")
-        if payload is not None and field in payload:
-            return payload[field]
-        if payload is not None and any(field in each.payload_fields for each in kinds.KINDS):
-            return None
-        raise AttributeError(field)
+        return kinds.payload_field(self, field)  # a payload field by name (``selection.low``), or None
 
     @property
     def count(self) -> int:

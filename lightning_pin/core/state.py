@@ -89,13 +89,7 @@ class SavedSelection:
             object.__setattr__(self, field, value)
 
     def __getattr__(self, field: str) -> Any:
-        # A payload field by name; None where the kind holds no such field.
-        payload = self.__dict__.get("payload")
-        if payload is not None and field in payload:
-            return payload[field]
-        if payload is not None and any(field in each.payload_fields for each in kinds.KINDS):
-            return None
-        raise AttributeError(field)
+        return kinds.payload_field(self, field)  # a payload field by name (``selection.low``), or None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,6 +90,17 @@ def split(pins: Any) -> tuple[list[Any], list[tuple[Any, list[Any]]]]:
     return weights, [(kind, outputs[kind]) for kind in OUTPUT_KINDS if kind in outputs]
 
 
+def payload_field(holder: Any, field: str) -> Any:
+    """``holder.payload[field]`` for a selection's attribute access (``selection.low``); None where its kind
+    holds no such field but another kind does; AttributeError for a name no kind holds."""
+    payload = holder.__dict__.get("payload")
+    if payload is not None and field in payload:
+        return payload[field]
+    if payload is not None and any(field in each.payload_fields for each in KINDS):
+        return None
+    raise AttributeError(field)
+
+
 def of(name: str) -> type[Kind]:
     """The kind called ``name`` (a selection's, a saved selection's ``kind``)."""
     return BY_NAME[name]
@@ -135,5 +146,5 @@ def check_conflict(first: Pin, a: Any, second: Pin, b: Any, name: str) -> None:
 __all__ = [
     "BY_NAME", "DEFAULT", "KINDS", "LATER_FIELDS", "OUTPUT_KINDS", "ExactValue", "Interval", "Kind", "NeuronKind",
     "QuantCode", "QuantizedCode", "StuckBits", "Unreadable",
-    "check_conflict", "check_spec", "for_pin", "of", "output_kind", "split",
+    "check_conflict", "check_spec", "for_pin", "of", "output_kind", "payload_field", "split",
 ]

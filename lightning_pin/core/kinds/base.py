@@ -63,6 +63,8 @@ class Kind:
     #: Names of the per-element tensors a resolved selection holds (``Selection.payload``, the
     #: saved ``SavedSelection.payload``), in the order they are fingerprinted and saved.
     payload_fields: ClassVar[tuple[str, ...]] = ()
+    #: What a saved payload field belongs to, in the message of a mismatch ("" names the parameter alone).
+    saved_owner: ClassVar[str] = ""
     #: True for the kind whose elements are frozen: their gradients are masked, their optimizer
     #: statistics zeroed, their targets merged with those of other such pins (and captured for
     #: ``value=None``). Other kinds leave gradients and statistics alone: their elements train.
@@ -167,7 +169,7 @@ class Kind:
         for field in cls.payload_fields:
             mine, theirs = selection.payload[field].cpu(), saved.payload[field]
             if theirs.dtype != mine.dtype or not torch.equal(theirs, mine):
-                problems.append(f"the saved {field} of {name!r} differ from the spec's")
+                problems.append(f"the saved {field} of {cls.saved_owner}{name!r} differ from the spec's")
         return problems
 
     # ------------------------------------------------------------------------------------

@@ -256,6 +256,7 @@ class QuantizedCode(Kind):
     #: per selection: the scales (compute dtype; empty for a named scale), the code's
     #: ``[bits, zero_point, signed, axis or -1]`` (int64) and the scale's name (UTF-8, uint8).
     payload_fields = ("stuck_at_zero", "stuck_at_one", "channel", "scale", "spec", "scale_name")
+    saved_owner = "the code on "
     mixed_reason = "a quantized code rewrites the whole element at every step, so the other pin would be undone; "
 
     # ------------------------------------------------------------------------------------
@@ -434,15 +435,6 @@ class QuantizedCode(Kind):
             raise corrupt(f"{at}: a code holds either fixed scales or the name of a learned one")
         if scale.numel() and not (scale.is_floating_point() and bool((torch.isfinite(scale) & (scale > 0)).all())):
             raise corrupt(f"{at}: scales must be positive and finite")
-
-    @classmethod
-    def saved_differs(cls, selection: Selection, saved: SavedSelection, name: str) -> list[str]:
-        problems = []
-        for field in cls.payload_fields:
-            mine, theirs = selection.payload[field].cpu(), saved.payload[field]
-            if theirs.dtype != mine.dtype or not torch.equal(theirs, mine):
-                problems.append(f"the saved {field} of the code on {name!r} differ from the spec's")
-        return problems
 
     # ------------------------------------------------------------------------------------
     # Stored tensors
