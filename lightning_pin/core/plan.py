@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pin.core import kinds
+from lightning_pin.core.kinds._common import name_seed  # noqa: F401  (also lightning_pin.core.plan.name_seed)
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
 from lightning_pin.core.spec import Pin, check_mask, coordinates, when_path
@@ -480,11 +481,6 @@ def _distinct_draws(numel: int, count: int, generator: torch.Generator) -> Tenso
     first_seen = torch.full((unique.numel(),), draws.numel(), dtype=torch.int64)
     first_seen.scatter_reduce_(0, inverse, torch.arange(draws.numel()), reduce="amin")
     return unique[first_seen.argsort()[:count]]
-
-
-def name_seed(name: str, seed: int) -> int:
-    """A 63-bit generator seed from ``seed`` and a parameter name, stable across processes."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
 
 
 def _flat_from_indices(pin: Pin, name: str, shape: tuple[int, ...]) -> Tensor:

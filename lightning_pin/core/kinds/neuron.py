@@ -46,6 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_pin.core.bitwords import hex_word
 from lightning_pin.core.errors import PinError
+from lightning_pin.core.kinds._common import name_seed
 from lightning_pin.core.kinds.stuck_bits import BITS_DTYPES
 
 _FIELDS = (
@@ -349,12 +350,6 @@ def match_modules(pin: NeuronPin, names: Sequence[str]) -> list[str]:
             )
         hits.update(found)
     return [n for n in names if n in hits]
-
-
-def name_seed(name: str, seed: int) -> int:
-    """A 63-bit generator seed from ``seed`` and a module name, stable across processes (the plan's
-    rule for parameter names, restated here: the kinds do not import the plan)."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
 
 
 def fraction_positions(name: str, numel: int, fraction: float, seed: int) -> Tensor:
