@@ -80,6 +80,12 @@ def register_resolver() -> None:
     OmegaConf.register_new_resolver("default_pins", default_pins, replace=True)
 
 
+def default_pin_names(tensors: Any) -> list[str]:
+    """The names :data:`WEIGHTS_2D` stands for among ``(name, tensor)`` pairs: every ``*.weight`` with two or
+    more dimensions (every conv and linear weight)."""
+    return [n for n, t in tensors if n.endswith(".weight") and getattr(t, "ndim", 0) >= 2]
+
+
 def expand_params(params: Any, module: Any) -> Any:
     """``params`` with :data:`WEIGHTS_2D` replaced by the names of ``module``'s ``*.weight`` of 2+ dims.
 
@@ -97,7 +103,7 @@ def expand_params(params: Any, module: Any) -> Any:
     if isinstance(params, str):
         if params != WEIGHTS_2D:
             return params
-        names = [n for n, p in module.named_parameters() if n.endswith(".weight") and p.ndim >= 2]
+        names = default_pin_names(module.named_parameters())
         if not names:
             found = ", ".join(n for n, _ in list(module.named_parameters())[:8]) or "none"
             raise ConfigError(

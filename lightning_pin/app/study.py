@@ -775,7 +775,7 @@ def _param_names(template: Any, ckpt: str) -> list[str]:
 
     import torch
 
-    from lightning_pin.app.custom import WEIGHTS_2D
+    from lightning_pin.app.custom import WEIGHTS_2D, default_pin_names
 
     patterns = template.pin.params if not isinstance(template.pin.params, str) else [template.pin.params]
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
@@ -783,7 +783,7 @@ def _param_names(template: Any, ckpt: str) -> list[str]:
     names = list(state)
     if WEIGHTS_2D in patterns:  # a model of your own: every *.weight with two or more dimensions
         patterns = [p for p in patterns if p != WEIGHTS_2D]
-        patterns += [n for n in names if n.endswith(".weight") and getattr(state[n], "ndim", 0) >= 2]
+        patterns += default_pin_names(state.items())
 
     def matches(name: str, pattern: str) -> bool:
         return re.fullmatch(pattern[3:], name) is not None if pattern.startswith("re:") else fnmatchcase(name, pattern)
