@@ -390,6 +390,8 @@ def _open_artifact(artifact: Union[PathLike, Mapping[str, Tensor]]) -> _Reader:
 
 
 def _tensor_reader(label: str, kind: str, tensors: dict[str, Tensor]) -> _Reader:
+    # A torchao int8 weight is read as its stored codes (qdata): stuck code bits are checked in them.
+    tensors = {name: t.qdata if isinstance(getattr(t, "qdata", None), Tensor) else t for name, t in tensors.items()}
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     return _Reader(label, kind, shapes, lambda name: tensors[name].detach().cpu())
 
@@ -435,6 +437,9 @@ def _onnx_tensor(initializer: Any, path: Path) -> Tensor:
         TensorProto.FLOAT8E5M2: (np.uint8, getattr(torch, "float8_e5m2", None)),
         TensorProto.FLOAT8E5M2FNUZ: (np.uint8, getattr(torch, "float8_e5m2fnuz", None)),
     }
+    if initializer.data_type in (TensorProto.INT4, TensorProto.UINT4):  # ml_dtypes int4: widened, same codes
+        return torch.from_numpy(np.asarray(array).astype(np.int8 if initializer.data_type == TensorProto.INT4
+                                                         else np.uint8))
     if initializer.data_type in bits and bits[initializer.data_type][1] is not None:
         raw, dtype = bits[initializer.data_type]
         return torch.from_numpy(np.ascontiguousarray(array).view(raw).copy()).view(dtype)
