@@ -1,8 +1,10 @@
 """Trained codes to deployed int8 artifacts: to_torchao / to_onnx write the codes the code pins held, check reads them."""
 
+import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,5 +216,11 @@ def test_weight_without_a_code_is_named_and_stays_float(tmp_path):
 def test_deploy_is_not_imported_by_lightning_pin():
     code = ("import sys, lightning_pin, lightning_pin.faults, lightning_pin.reporting.check; "
             "print(sorted(m for m in ('torchao', 'onnx', 'onnxruntime', 'lightning_pin.deploy') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root})
     assert out.stdout.strip() == "[]"
+    code = "import lightning_pin; print(lightning_pin.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.stdout.strip().startswith(root)

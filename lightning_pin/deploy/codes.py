@@ -21,7 +21,7 @@ from lightning_pin.core.kinds.quant_code import QuantCode, codes_of, compute_dty
 from lightning_pin.faults._common import floating_parameters
 from lightning_pin.faults.quantize import quantized_codes
 
-__all__ = ["CodedWeight", "DEPLOY_EXTRA", "Codes", "trained_codes"]
+__all__ = ["CodedWeight", "DEPLOY_EXTRA", "Codes", "codes_from_checkpoint", "trained_codes"]
 
 #: How to install what the deploy tools need.
 DEPLOY_EXTRA = "pip install 'lightning-pin[deploy]'"
@@ -147,3 +147,35 @@ def _coded(model: nn.Module, name: str, parameter: Tensor, code: QuantCode) -> C
     q = codes_of(weight.to(cdt), scale.reshape(shape) if axis is not None else scale.reshape([]),
                  code.zero_point, code.qmin, code.qmax)
     return CodedWeight(name, code, q.cpu(), scale.cpu(), axis)
+
+
+def codes_from_checkpoint(pinned: Any) -> dict[str, QuantCode]:
+    """The code of every parameter a checkpoint's code pins held (``{name: QuantCode}``), from its saved pin state.
+
+    Args:
+        pinned: A checkpoint path (a fit with PinCallback, or a file holding ``PinHandle.state_dict()``)
+            or such a dict already loaded.
+
+    Raises:
+        PinError: the file holds no pin state, or no code pin.
+    """
+    from lightning_pin.core.io import load_tensors
+    from lightning_pin.core.kinds.quant_code import QuantizedCode, code_of
+    from lightning_pin.core.state import PinState, find_pin_states
+
+    loaded = pinned if isinstance(pinned, Mapping) else load_tensors(pinned)
+    found: dict[str, QuantCode] = {}
+    for key, raw in find_pin_states(loaded).items():
+        state = PinState.from_dict(raw, where=f"the pin state {key!r}")
+        for selections in state.pins:
+            for name, saved in selections.items():
+                if saved.kind == QuantizedCode.kind:
+                    code = code_of(saved.payload, torch.empty(0))
+                    if name in found and not _same(found[name], code):
+                        raise PinError(f"{name!r} carries two different codes in the pin state: {found[name]!r} "
+                                       f"and {code!r}")
+                    found[name] = code
+    if not found:
+        raise PinError(f"{pinned if not isinstance(pinned, Mapping) else 'the pin state'} holds no code pin "
+                       "(Pin(..., code=QuantCode(...))): nothing to write as integer codes")
+    return found

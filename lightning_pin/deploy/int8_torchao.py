@@ -11,7 +11,10 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.deploy._models import fold_live_codes, owner_of, plain_copy
 from lightning_pin.deploy.codes import DEPLOY_EXTRA, Codes, CodedWeight, trained_codes
 
-__all__ = ["to_torchao"]
+__all__ = ["DEPLOY_TARGETS", "quantize_torchao", "to_torchao"]
+
+#: What ``lightning-pin faults --deploy`` runs a campaign on.
+DEPLOY_TARGETS = ("torchao-int8",)
 
 
 def to_torchao(model: nn.Module, codes: Optional[Codes] = None, *, inplace: bool = False) -> nn.Module:
@@ -85,3 +88,27 @@ def _refusal(model: nn.Module, weight: CodedWeight) -> Optional[str]:
     if weight.axis not in (None, 0):
         return f"scales along axis {weight.axis}: torchao's int8 linear scales output channels (axis 0)"
     return None
+
+
+def quantize_torchao(model: nn.Module, dynamic: bool = False) -> list[str]:
+    """Quantize ``model`` in place as torchao does for deployment (every ``nn.Linear`` weight an int8 ``Int8Tensor``,
+    per-row scales); return the names of the int8 weights. ``dynamic``: int8 activations too
+    (``Int8DynamicActivationInt8WeightConfig``); else weight-only (``Int8WeightOnlyConfig``).
+
+    This is torchao's own rounding of the float weights (a model trained without codes); a model
+    trained around stuck code bits goes through :func:`to_torchao`, which keeps its codes.
+
+    Raises:
+        PinError: torchao is not installed, or the model has no ``nn.Linear`` to quantize.
+    """
+    try:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+    except ImportError as err:
+        raise PinError(f"an int8 torchao model needs torchao: {DEPLOY_EXTRA}") from err
+    quantize_(model, Int8DynamicActivationInt8WeightConfig() if dynamic else Int8WeightOnlyConfig())
+    from lightning_pin.faults.int8 import is_int8_weight
+
+    names = [name for name, p in model.named_parameters() if is_int8_weight(p)]
+    if not names:
+        raise PinError("torchao quantized no weight of the model: its int8 weights are those of nn.Linear modules")
+    return names

@@ -1,0 +1,116 @@
+"""The deployed-int8 commands: ``faults --no-retrain --deploy torchao-int8``, ``export --int8``, ``check`` on int8 ONNX."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_app import TINY, run
+
+pytest.importorskip("torchao")
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+from lightning_pin import cli  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def code_run(tmp_path_factory, fork_runner):
+    """An app run trained around stuck bits of int8 codes, exported as an int8 QDQ ONNX model."""
+    root = tmp_path_factory.mktemp("code_run")
+    args = [sys.executable, "-m", "lightning_pin.train", *TINY, "pin=bit_faults", "pin.code_bits=8", "pin.rate=0.01",
+            "pin.seed=1", f"hydra.run.dir={root / 'run'}"]
+    result = run(args, cwd=root, runner=fork_runner)
+    assert result.returncode == 0, result.output
+    export = run([sys.executable, "-m", "lightning_pin.cli", "export", str(root / "run"), "--to",
+                  str(root / "model.onnx"), "--int8"], cwd=root, runner=fork_runner)
+    assert export.returncode == 0, export.output
+    return root, export.output
+
+
+def test_export_int8_writes_the_trained_codes_and_check_reads_them(code_run, capsys):
+    root, output = code_run
+    assert "export: 1 weight(s) without a code stay float: backbone.head.weight" in output
+    graph = onnx.load(str(root / "model.onnx"))
+    inits = {i.name: i for i in graph.graph.initializer}
+    convs = [n for n in inits if n.startswith("backbone.features") and n.endswith("weight")]
+    assert len(convs) == 2 and all(inits[n].data_type == onnx.TensorProto.INT8 for n in convs)
+    pinned = torch.load(root / "run" / "pinned.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    for name in convs:  # the stored codes are the trained weights' codes (the code pins' rounding), bit for bit
+        q = torch.from_numpy(onnx.numpy_helper.to_array(inits[name]).astype("float32"))
+        s = torch.from_numpy(onnx.numpy_helper.to_array(inits[f"{name}_scale"])).reshape(-1, 1, 1, 1)
+        assert torch.equal(q, torch.clamp(torch.round(pinned[name] / s), -128, 127))
+    session = ort.InferenceSession(str(root / "model.onnx"))
+    x = torch.randn(1, 1, 8, 8)
+    assert session.run(None, {session.get_inputs()[0].name: x.numpy()})[0].shape == (1, 10)
+    assert cli.main(["check", str(root / "run" / "pinned.ckpt"), str(root / "model.onnx")]) == 0
+    assert "pinned element(s) hold, bit for bit" in capsys.readouterr().out
+
+
+def test_check_names_an_edited_int8_code(code_run, tmp_path, capsys):
+    root, _ = code_run
+    from lightning_pin.core.io import load_checkpoint
+    from lightning_pin.core.state import PinState, find_pin_states
+
+    state = PinState.from_dict(next(iter(find_pin_states(load_checkpoint(root / "run" / "pinned.ckpt")).values())))
+    name, saved = next((n, s) for sel in state.pins for n, s in sel.items() if s.kind == "quant_code")
+    at = int(saved.index[0])
+    mask = int(saved.payload["stuck_at_zero"][0] | saved.payload["stuck_at_one"][0])
+    graph = onnx.load(str(root / "model.onnx"))
+    init = next(i for i in graph.graph.initializer if i.name == name)
+    codes = onnx.numpy_helper.to_array(init).copy()
+    flat = codes.reshape(-1)
+    flat[at] = int(flat[at]) ^ (mask & -mask) if (mask & -mask) != 0x80 else int(flat[at]) ^ -128
+    init.CopyFrom(onnx.numpy_helper.from_array(codes, name))
+    onnx.save(graph, str(tmp_path / "edited.onnx"))
+    capsys.readouterr()
+    assert cli.main(["check", str(root / "run" / "pinned.ckpt"), str(tmp_path / "edited.onnx")]) == 1
+    out = capsys.readouterr().out
+    element = [int(c) for c in torch.unravel_index(torch.tensor(at), tuple(codes.shape))]
+    assert name in out and str(element) in out and "stored code 0x" in out and "expected code 0x" in out, out
+
+
+def test_faults_deploy_torchao_int8_is_a_test_time_campaign_on_the_codes(tmp_path, fork_runner):
+    out = tmp_path / "study"
+    args = [sys.executable, "-m", "lightning_pin.cli", "faults", "--kind", "bit", "--rates", "0,0.05", "--seeds", "1",
+            "--no-retrain", "--deploy", "torchao-int8", "--out", str(out), "model=mlp", "pin.params=backbone.*.weight",
+            *TINY]
+    result = run(args, cwd=tmp_path, runner=fork_runner, timeout=400)
+    assert result.returncode == 0, result.output
+    assert "torchao int8: faults in the stored codes of backbone.layers.0.weight" in result.output
+    rows = {float(r["rate"]): r for r in csv.DictReader((out / "fault_curve.csv").open())}
+    assert rows[0.0]["forced"] == rows[0.0]["baseline"] and int(rows[0.0]["changed_bits"]) == 0
+    assert int(rows[0.05]["changed_bits"]) > 0 and "--deploy torchao-int8" in rows[0.05]["recipe"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["faults", "--kind", "bit", "--deploy", "torchao-int8"], "add --no-retrain"),
+    (["faults", "--kind", "value", "--no-retrain", "--deploy", "torchao-int8"], "use --kind bit, cell or flip"),
+    (["faults", "--kind", "bit", "--no-retrain", "--deploy", "tensorrt"], "unknown --deploy 'tensorrt'"),
+    (["export", "RUN", "--to", "m.safetensors", "--int8"], "--int8 writes an int8 QDQ ONNX model"),
+])
+def test_deploy_usage_errors_are_one_line(argv, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    status = cli.main([*argv, *(["--out", str(tmp_path / "x")] if argv[0] == "faults" else [])])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status in (1, 2) and len(err) == 1 and words in err[0], err
+    assert not (tmp_path / "x").exists()
+
+
+def test_without_the_extra_the_commands_name_it(tmp_path):
+    code = ("import sys; sys.modules['torchao'] = None; sys.modules['onnx'] = None; sys.modules['onnxscript'] = None\n"
+            "from lightning_pin import cli\n"
+            "sys.exit(cli.main(sys.argv[1:]))")
+    for argv in (["faults", "--kind", "bit", "--no-retrain", "--deploy", "torchao-int8", "--out", str(tmp_path / "x")],
+                 ["export", str(tmp_path), "--to", str(tmp_path / "m.onnx"), "--int8"]):
+        out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode in (1, 2) and len(lines) == 1 and "lightning-pin[deploy]" in lines[0], out.stderr
