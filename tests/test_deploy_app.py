@@ -45,7 +45,7 @@ def test_export_int8_writes_the_trained_codes_and_check_reads_them(code_run, cap
     pinned = torch.load(root / "run" / "pinned.ckpt", map_location="cpu", weights_only=True)["state_dict"]
     for name in convs:  # the stored codes are the trained weights' codes (the code pins' rounding), bit for bit
         q = torch.from_numpy(onnx.numpy_helper.to_array(inits[name]).astype("float32"))
-        s = torch.from_numpy(onnx.numpy_helper.to_array(inits[f"{name}_scale"])).reshape(-1, 1, 1, 1)
+        s = torch.from_numpy(onnx.numpy_helper.to_array(inits[f"{name}_scale"]).copy()).reshape(-1, 1, 1, 1)
         assert torch.equal(q, torch.clamp(torch.round(pinned[name] / s), -128, 127))
     session = ort.InferenceSession(str(root / "model.onnx"))
     x = torch.randn(1, 1, 8, 8)
@@ -114,3 +114,27 @@ def test_without_the_extra_the_commands_name_it(tmp_path):
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
         lines = out.stderr.strip().splitlines()
         assert out.returncode in (1, 2) and len(lines) == 1 and "lightning-pin[deploy]" in lines[0], out.stderr
+
+
+def test_the_readme_deploying_int8_commands_run_as_written(tmp_path, fork_runner):
+    """The "Deploying int8" bash block, line by line, in an empty directory (train and faults made tiny)."""
+    import re
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Deploying int8"):]
+    block = re.search(r"^```bash\n(.*?)^```$", section, re.M | re.S).group(1)
+    lines = [line for line in block.splitlines() if line.startswith("lightning-pin")]
+    assert [shlex.split(line)[1] for line in lines] == ["train", "export", "check", "faults"]
+    for line in lines:
+        argv = shlex.split(line)
+        if argv[1] == "train":
+            command = [sys.executable, "-m", "lightning_pin.train", *argv[2:], *TINY]
+        elif argv[1] == "faults":
+            command = [sys.executable, "-m", "lightning_pin.cli", "faults", "--rates", "0,0.05", "--seeds", "1",
+                       "--out", str(tmp_path / "study"), *argv[2:], *TINY]
+        else:
+            command = [sys.executable, "-m", "lightning_pin.cli", *argv[1:]]
+        result = run(command, cwd=tmp_path, runner=fork_runner, timeout=400)
+        assert result.returncode == 0, (line, result.output)
+    assert (tmp_path / "model.onnx").is_file() and (tmp_path / "study" / "fault_curve.csv").is_file()
