@@ -4,6 +4,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 pytest.importorskip("torchao")
@@ -185,3 +187,41 @@ def test_pinning_a_torchao_model_is_refused_in_one_line():
         pin(model, opt, [Pin("0.weight", indices=[[0, 0]], value=0.0)])
     assert "\n" not in str(info.value)
     assert all(torch.equal(_snapshot(model)[n][0], before[n][0]) for n in before)
+
+
+def test_pin_callback_on_a_torchao_model_is_refused_before_training():
+    from helpers import TinyNet, make_loader, trainer
+
+    from lightning_pin import PinCallback
+
+    torch.manual_seed(0)
+    lit = TinyNet()
+    quantize_(lit, Int8WeightOnlyConfig())
+    before = _snapshot(lit)
+    callback = PinCallback([Pin("encoder.weight", indices=[[0, 0]], value=0.0)])
+    with pytest.raises(PinError, match="'encoder.weight' is stored as int8 codes by torchao"):
+        trainer(max_epochs=1, callbacks=[callback]).fit(lit, make_loader())
+    assert all(torch.equal(_snapshot(lit)[n][0], before[n][0]) for n in before)
+
+
+def test_changed_bits_of_int8_weights_counts_code_bits():
+    _, model = _quantized(_mlp, Int8WeightOnlyConfig())
+    before = copy.deepcopy(model[0].weight)
+    with flip_bits(model, "0.weight", 0.05, seed=0) as flips:
+        assert changed_bits(before, model[0].weight) == flips.flipped["0.weight"] > 0
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 9), cols=st.integers(2, 40), rate=st.sampled_from([0.0, 0.01, 0.2, 1.0]),
+       seed=st.integers(0, 2**31), bits=st.sampled_from([None, "sign", 0, [1, 7]]))
+def test_one_seed_draws_the_same_pairs_as_code8_on_the_float_model(rows, cols, rate, seed, bits):
+    torch.manual_seed(seed % 1000)
+    float_model = nn.Sequential(nn.Linear(cols, rows))
+    model = copy.deepcopy(float_model)
+    quantize_(model, Int8WeightOnlyConfig())
+    a = bit_faults(model, "0.weight", rate, seed=seed, bits=bits)
+    b = bit_faults(float_model, "0.weight", rate, seed=seed, bits=bits, code=8)
+    assert a.faulty == b.faulty
+    for p, q in zip(a, b):
+        assert torch.equal(p.indices, q.indices) and torch.equal(p.stuck_at_zero, q.stuck_at_zero)
+        assert torch.equal(p.stuck_at_one, q.stuck_at_one)
