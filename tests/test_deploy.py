@@ -224,3 +224,26 @@ def test_deploy_is_not_imported_by_lightning_pin():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
                          env={**os.environ, "PYTHONPATH": root})
     assert out.stdout.strip().startswith(root)
+
+
+@pytest.mark.parametrize("code", [
+    QuantCode(8, 0.01, zero_point=128, signed=False),
+    QuantCode(4, 0.1, zero_point=3, signed=False),
+    QuantCode(12, 0.001),
+    QuantCode(6, torch.linspace(0.01, 0.03, 16), axis=1),
+], ids=repr)
+def test_every_code_type_runs_in_onnx_runtime(code, tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8)).eval()
+    to_onnx(model, tmp_path / "m.onnx", torch.zeros(1, 16), codes={"0.weight": code})
+    init = next(i for i in onnx.load(str(tmp_path / "m.onnx")).graph.initializer if i.name == "0.weight")
+    expected = {(8, False): "UINT8", (4, False): "UINT4", (12, True): "INT16", (6, True): "INT8"}[code.bits, code.signed]
+    assert onnx.TensorProto.DataType.Name(init.data_type) == expected
+    stored = torch.from_numpy(onnx.numpy_helper.to_array(init).astype("int64"))
+    coded = trained_codes(model, {"0.weight": code})["0.weight"]
+    assert torch.equal(stored, coded.codes.to(torch.int64))
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"))
+    x = torch.randn(1, 16)
+    got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
+    want = (x @ coded.dequantized(torch.float32).t() + model[0].bias).detach()
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())

@@ -40,6 +40,7 @@ def to_onnx(
     *,
     codes: Optional[Codes] = None,
     opset: int = 21,
+    **export_kwargs: Any,
 ) -> Path:
     """Write ``model`` as ONNX; with ``int8``, every coded weight as integer codes and a ``DequantizeLinear``.
 
@@ -60,6 +61,7 @@ def to_onnx(
         codes: Which weights carry which code (:func:`~lightning_pin.deploy.codes.trained_codes`); None:
             those of the live :func:`~lightning_pin.faults.quantize` calls on ``model``.
         opset: The ONNX opset (21 or later: ``DequantizeLinear`` of INT4 and 16-bit codes).
+        export_kwargs: Passed to ``torch.onnx.export`` (``dynamic_shapes=...``, ``input_names=...``).
 
     Returns:
         The path written.
@@ -99,7 +101,8 @@ def to_onnx(
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's own deprecation chatter
-        torch.onnx.export(target, args, str(path), dynamo=True, optimize=False, verbose=False, opset_version=opset)
+        torch.onnx.export(target, args, str(path), dynamo=True, optimize=False, verbose=False, opset_version=opset,
+                          **export_kwargs)
     if not int8:
         return path
     import onnx
