@@ -1,4 +1,5 @@
-"""Trained codes to deployed int8 artifacts: to_torchao / to_onnx write the codes the code pins held, check reads them."""
+"""Trained codes to deployed int8 artifacts: to_torchao / to_onnx write the codes the code pins held; check reads
+them."""
 
 import os
 import subprocess
@@ -237,7 +238,8 @@ def test_every_code_type_runs_in_onnx_runtime(code, tmp_path):
     model = nn.Sequential(nn.Linear(16, 8)).eval()
     to_onnx(model, tmp_path / "m.onnx", torch.zeros(1, 16), codes={"0.weight": code})
     init = next(i for i in onnx.load(str(tmp_path / "m.onnx")).graph.initializer if i.name == "0.weight")
-    expected = {(8, False): "UINT8", (4, False): "UINT4", (12, True): "INT16", (6, True): "INT8"}[code.bits, code.signed]
+    types = {(8, False): "UINT8", (4, False): "UINT4", (12, True): "INT16", (6, True): "INT8"}
+    expected = types[code.bits, code.signed]
     assert onnx.TensorProto.DataType.Name(init.data_type) == expected
     stored = torch.from_numpy(onnx.numpy_helper.to_array(init).astype("int64"))
     coded = trained_codes(model, {"0.weight": code})["0.weight"]

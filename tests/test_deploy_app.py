@@ -1,4 +1,5 @@
-"""The deployed-int8 commands: ``faults --no-retrain --deploy torchao-int8``, ``export --int8``, ``check`` on int8 ONNX."""
+"""The deployed-int8 commands: ``faults --no-retrain --deploy torchao-int8``, ``export --int8``, ``check`` on int8
+ONNX."""
 
 from __future__ import annotations
 
@@ -114,6 +115,21 @@ def test_without_the_extra_the_commands_name_it(tmp_path):
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
         lines = out.stderr.strip().splitlines()
         assert out.returncode in (1, 2) and len(lines) == 1 and "lightning-pin[deploy]" in lines[0], out.stderr
+    api = ("import sys; sys.modules['torchao'] = None; sys.modules['onnx'] = None\n"
+           "import torch\n"
+           "from lightning_pin import PinError, QuantCode\n"
+           "from lightning_pin.deploy import to_onnx, to_torchao\n"
+           "net = torch.nn.Linear(4, 2)\n"
+           "for call in (lambda: to_torchao(net, {'weight': QuantCode(8, 0.1)}),\n"
+           "             lambda: to_onnx(net, 'm.onnx', torch.zeros(1, 4), codes={'weight': QuantCode(8, 0.1)})):\n"
+           "    try:\n"
+           "        call()\n"
+           "    except PinError as err:\n"
+           "        print(err)\n")
+    out = subprocess.run([sys.executable, "-c", api], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2 and all("pip install 'lightning-pin[deploy]'" in line for line in lines), out
 
 
 def test_the_readme_deploying_int8_commands_run_as_written(tmp_path, fork_runner):

@@ -14,4 +14,12 @@ from lightning_pin.deploy.codes import DEPLOY_EXTRA, CodedWeight, trained_codes
 from lightning_pin.deploy.int8_torchao import DEPLOY_TARGETS, quantize_torchao, to_torchao
 from lightning_pin.deploy.onnx_qdq import to_onnx
 
-__all__ = ["DEPLOY_EXTRA", "DEPLOY_TARGETS", "CodedWeight", "quantize_torchao", "to_onnx", "to_torchao", "trained_codes"]
+__all__ = [
+    "DEPLOY_EXTRA",
+    "DEPLOY_TARGETS",
+    "CodedWeight",
+    "quantize_torchao",
+    "to_onnx",
+    "to_torchao",
+    "trained_codes",
+]

@@ -29,7 +29,8 @@ def is_int8_weight(tensor: Any) -> bool:
         False
     """
     qdata = getattr(tensor, "qdata", None)
-    return isinstance(qdata, Tensor) and qdata.dtype == torch.int8 and isinstance(getattr(tensor, "scale", None), Tensor)
+    scale = getattr(tensor, "scale", None)
+    return isinstance(qdata, Tensor) and qdata.dtype == torch.int8 and isinstance(scale, Tensor)
 
 
 def int8_codes(tensor: Any, name: str = "") -> Optional[Tensor]:
