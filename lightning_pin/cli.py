@@ -118,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         "fault_curve.csv and fault_curve.png into --out. The same (rate, seed) always draws the same faults; a rerun "
         "with the same --out skips finished jobs. Exit status 2 for bad arguments.",
     )
-    faults.add_argument("--kind", default="value", help="value (stuck at random values), cell (stuck-at-0/1), bit "
-                        "(stuck bits), neuron (stuck neurons: output channels of the layers; pin.neuron_kind=sa0|sa1|"
-                        "value), flip (transient bit flips; implies --no-retrain)")
+    faults.add_argument("--kind", help="value (stuck at random values; the default), cell (stuck-at-0/1), bit "
+                        "(stuck bits; the default with --deploy), neuron (stuck neurons: output channels of the layers; "
+                        "pin.neuron_kind=sa0|sa1|value), flip (transient bit flips; implies --no-retrain)")
     faults.add_argument("--code-bits", type=int, metavar="N", help="--kind bit: stick bits of N-bit integer weight "
                         "codes (one scale per output channel, from the weights; the forward reads the codes) instead "
                         "of float words")
@@ -300,6 +300,8 @@ def _diff(args: argparse.Namespace) -> int:
 def _faults(args: argparse.Namespace, extra: Sequence[str]) -> int:
     from lightning_pin.app.study import Study, StudyError, parse_rates, run_study
 
+    if args.kind is None:  # stuck code bits are what a deployed int8 model's campaign draws by default
+        args.kind = "bit" if args.deploy else "value"
     try:
         study = Study(kind=args.kind, rates=parse_rates(args.rates), seeds=args.seeds, per_layer=args.per_layer,
                       layer_rate=args.layer_rate, jobs=args.jobs, out=args.out, no_retrain=args.no_retrain,

@@ -154,3 +154,16 @@ def test_the_readme_deploying_int8_commands_run_as_written(tmp_path, fork_runner
         result = run(command, cwd=tmp_path, runner=fork_runner, timeout=400)
         assert result.returncode == 0, (line, result.output)
     assert (tmp_path / "model.onnx").is_file() and (tmp_path / "study" / "fault_curve.csv").is_file()
+
+
+def test_the_contract_command_as_given_runs_on_the_default_model(tmp_path, fork_runner):
+    """``lightning-pin faults --no-retrain --deploy torchao-int8``: stuck code bits by default; the app's CNN keeps its
+    convolutions float in torchao, so the faults go into its int8 head, and the output says so."""
+    out = tmp_path / "study"
+    args = [sys.executable, "-m", "lightning_pin.cli", "faults", "--no-retrain", "--deploy", "torchao-int8",
+            "--rates", "0,0.05", "--seeds", "1", "--out", str(out), *TINY]
+    result = run(args, cwd=tmp_path, runner=fork_runner, timeout=400)
+    assert result.returncode == 0, result.output
+    assert "faults in every int8 weight instead" in result.output and "kind=bit" in result.output
+    rows = {float(r["rate"]): r for r in csv.DictReader((out / "fault_curve.csv").open())}
+    assert rows[0.05]["kind"] == "bit" and int(rows[0.05]["changed_bits"]) > 0

@@ -242,7 +242,9 @@ def _run(study: Study, out: Path, progress: "Progress") -> int:
 
     if study.no_retrain:
         with progress.stage("building the model and its validation batches"):
-            campaign = ForcedCampaign(template, ckpt, progress, deploy=study.deploy)
+            campaign = ForcedCampaign(template, ckpt, progress, deploy=study.deploy,
+                                      params_given=any(o.split("=", 1)[0].lstrip("+~") == "pin.params"
+                                                       for o in study.overrides))
         campaign.recipe = " ".join([*study.overrides, *([f"--deploy {study.deploy}"] if study.deploy else [])])
         rows = campaign.run(curve_jobs, "fault curve")
         layer_rows = campaign.run(layer_jobs, "per layer") if layer_jobs else []
@@ -833,7 +835,7 @@ class ForcedCampaign:
     """
 
     def __init__(self, template: Any, ckpt: str, progress: Progress, evaluate: bool = True,
-                 deploy: Optional[str] = None) -> None:
+                 deploy: Optional[str] = None, params_given: bool = True) -> None:
         import torch
         from hydra.utils import instantiate
 
@@ -872,7 +874,7 @@ class ForcedCampaign:
         pin = template.pin
         self._params = expand_params(_plain(pin.params), self.model)  # a model of your own: its 2+-dim weights
         if self.deployed:
-            self._params = _deployed_params(self.model, self._params, self.deployed, progress)
+            self._params = _deployed_params(self.model, self._params, self.deployed, progress, params_given)
         self._options = {key: _plain(pin.get(key)) for key in ("low", "high", "sa1_fraction", "cell_high", "bits",
                                                                "one_fraction", "code_bits", "neuron_kind", "per",
                                                                "modules")
@@ -962,12 +964,21 @@ def _stored(parameter: Any) -> Any:
     return parameter.qdata.detach() if hasattr(parameter, "qdata") else parameter.detach()
 
 
-def _deployed_params(model: Any, params: Any, deployed: Sequence[str], progress: Progress) -> list[str]:
-    """The torchao int8 weights among those ``params`` matches (torchao leaves the others float: not faulted)."""
+def _deployed_params(model: Any, params: Any, deployed: Sequence[str], progress: Progress,
+                     params_given: bool = True) -> list[str]:
+    """The torchao int8 weights among those ``params`` matches (torchao leaves the others float: not faulted).
+
+    The app's default weights of a CNN are its convolutions, which torchao leaves float: without
+    ``pin.params=`` given, the campaign then faults every int8 weight, and says so.
+    """
     from lightning_pin.faults._common import exact_pattern, floating_parameters
 
     matched = list(floating_parameters(model, params, "faults --deploy"))
     chosen = [name for name in matched if name in deployed]
+    if not chosen and not params_given:
+        progress.line(f"torchao int8: the default weights ({', '.join(matched)}) stay float in torchao (it quantizes "
+                      f"nn.Linear weights only); faults in every int8 weight instead (pin.params= chooses)")
+        matched, chosen = list(deployed), list(deployed)
     if not chosen:
         raise PinError(f"--deploy: none of {', '.join(matched)} is an int8 weight of the torchao model "
                        f"(torchao quantizes nn.Linear weights: {', '.join(deployed)})")
