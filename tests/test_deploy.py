@@ -249,3 +249,21 @@ def test_every_code_type_runs_in_onnx_runtime(code, tmp_path):
     got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
     want = (x @ coded.dequantized(torch.float32).t() + model[0].bias).detach()
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
+def test_check_artifacts_reads_the_code_pins_themselves():
+    """``check_artifacts(pins, {name: int8 tensor})`` with the Pin list bit_faults drew."""
+    model, codes, pins, _ = _qat("int8-per-channel")
+    ints = {name: w.codes.to(torch.int8) for name, w in trained_codes(model).items()}
+    result = check_artifacts(list(pins), ints)
+    assert result.holds and result.elements == sum(p.indices.shape[0] for p in pins)
+    p = pins[1]
+    element = tuple(int(i) for i in p.indices[0])
+    mask = int(p.stuck_at_zero[0] | p.stuck_at_one[0])
+    ints[p.params][element] = int(ints[p.params][element]) ^ (mask & -mask) if mask & -mask != 0x80 else \
+        int(ints[p.params][element]) ^ -128
+    result = check_artifacts(list(pins), ints)
+    assert not result.holds and f"{p.params}" in "\n".join(result.lines())
+    assert str(list(element)) in "\n".join(result.lines())
+    with pytest.raises(PinError, match="code pins with indices"):
+        check_artifacts([pin_ for pin_ in bit_faults(model, "fc1.weight", 0.01, seed=0)], ints)
