@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=SUMMARIES["check"],
         description="Compare every pinned element of each exported model with the target the pinned file saved. "
         "Exit status 0: every pin holds bit for bit; 1: a pinned element is off target or a pinned parameter is "
-        "missing (an exporter folded or renamed it?); 2: the check could not run. ONNX needs "
+        "missing (an exporter folded or renamed it?); 2: the check could not run. Stuck code bits are read in the "
+        "stored integers of int8 QDQ ONNX models (export --int8) and torchao state dicts. ONNX needs "
         "pip install 'lightning-pin[export]'.",
     )
     check.add_argument(
