@@ -105,31 +105,38 @@ def test_deploy_usage_errors_are_one_line(argv, words, tmp_path, capsys, monkeyp
     assert not (tmp_path / "x").exists()
 
 
-def test_without_the_extra_the_commands_name_it(tmp_path):
-    code = ("import sys; sys.modules['torchao'] = None; sys.modules['onnx'] = None; sys.modules['onnxscript'] = None\n"
-            "from lightning_pin import cli\n"
-            "sys.exit(cli.main(sys.argv[1:]))")
-    for argv in (["faults", "--kind", "bit", "--no-retrain", "--deploy", "torchao-int8", "--out", str(tmp_path / "x")],
-                 ["export", str(tmp_path), "--to", str(tmp_path / "m.onnx"), "--int8"]):
-        out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=tmp_path,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-        lines = out.stderr.strip().splitlines()
-        assert out.returncode in (1, 2) and len(lines) == 1 and "lightning-pin[deploy]" in lines[0], out.stderr
-    api = ("import sys; sys.modules['torchao'] = None; sys.modules['onnx'] = None\n"
-           "import torch\n"
-           "from lightning_pin import PinError, QuantCode\n"
-           "from lightning_pin.deploy import to_onnx, to_torchao\n"
-           "net = torch.nn.Linear(4, 2)\n"
-           "for call in (lambda: to_torchao(net, {'weight': QuantCode(8, 0.1)}),\n"
-           "             lambda: to_onnx(net, 'm.onnx', torch.zeros(1, 4), codes={'weight': QuantCode(8, 0.1)})):\n"
-           "    try:\n"
-           "        call()\n"
-           "    except PinError as err:\n"
-           "        print(err)\n")
-    out = subprocess.run([sys.executable, "-c", api], capture_output=True, text=True, cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+def test_without_the_extra_the_commands_name_it(tmp_path, fork_runner):
+    """Without torchao / onnx: the commands end with one line naming the extra, and so do the functions."""
+    script = tmp_path / "no_extra.py"
+    script.write_text(
+        "import contextlib, io, sys\n"
+        "for name in ('torchao', 'onnx', 'onnxscript'):\n"
+        "    sys.modules[name] = None  # as if not installed\n"
+        "import torch\n"
+        "from lightning_pin import PinError, QuantCode, cli\n"
+        "from lightning_pin.deploy import to_onnx, to_torchao\n"
+        f"root = {str(tmp_path)!r}\n"
+        "for argv in (['faults', '--no-retrain', '--deploy', 'torchao-int8', '--out', root + '/x'],\n"
+        "             ['export', root, '--to', root + '/m.onnx', '--int8']):\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        status = cli.main(argv)\n"
+        "    print(status, '|'.join(err.getvalue().strip().splitlines()))\n"
+        "net, code = torch.nn.Linear(4, 2), {'weight': QuantCode(8, 0.1)}\n"
+        "calls = (lambda: to_torchao(net, code),\n"
+        "         lambda: to_onnx(net, root + '/m.onnx', torch.zeros(1, 4), codes=code))\n"
+        "for call in calls:\n"
+        "    try:\n"
+        "        call()\n"
+        "    except PinError as err:\n"
+        "        print('PinError', err)\n")
+    out = run([sys.executable, str(script)], cwd=tmp_path, runner=fork_runner)
     lines = out.stdout.strip().splitlines()
-    assert len(lines) == 2 and all("pip install 'lightning-pin[deploy]'" in line for line in lines), out
+    assert len(lines) == 4, out.output
+    for line in lines[:2]:
+        status, message = line.split(" ", 1)
+        assert status == "2" and "|" not in message and "pip install 'lightning-pin[deploy]'" in message, line
+    assert all(line.startswith("PinError") and "lightning-pin[deploy]" in line for line in lines[2:]), lines
 
 
 def test_the_readme_deploying_int8_commands_run_as_written(tmp_path, fork_runner):
