@@ -265,3 +265,21 @@ def test_check_artifacts_reads_the_code_pins_themselves():
     assert str(list(element)) in "\n".join(result.lines())
     with pytest.raises(PinError, match="code pins with indices"):
         check_artifacts([pin_ for pin_ in bit_faults(model, "fc1.weight", 0.01, seed=0)], ints)
+
+
+def test_live_code_pins_give_the_codes_without_quantize():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    code = QuantCode(8, 0.01)
+    pins = bit_faults(model, "0.weight", 0.1, code=code, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(PinError, match="no weight of the model carries a code"):
+        trained_codes(model)
+    with pin(model, opt, pins):
+        coded = trained_codes(model)
+        assert list(coded) == ["0.weight"] and coded["0.weight"].code.bits == 8
+        assert _stuck_hold(coded["0.weight"].codes, pins[0], 8)
+        int8 = to_torchao(model)
+        assert torch.equal(int8[0].weight.qdata.to(torch.int32), coded["0.weight"].codes)
+    with pytest.raises(PinError, match="no weight of the model carries a code"):
+        trained_codes(model)  # the handle is removed

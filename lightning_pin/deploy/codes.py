@@ -67,7 +67,7 @@ def trained_codes(model: nn.Module, codes: Optional[Codes] = None) -> dict[str, 
         model: The trained model (float weights).
         codes: Which weights carry which code: ``{name or glob: QuantCode}``, or pins (``Pin(..., code=...)``,
             e.g. the code pins it was trained with). None: the codes of the live
-            :func:`~lightning_pin.faults.quantize` calls on ``model``.
+            :func:`~lightning_pin.faults.quantize` calls and live ``pin()`` code pins on ``model``.
 
     Raises:
         PinError: a pattern matching no parameter, two codes for one weight, a scale that does not
@@ -94,6 +94,10 @@ def trained_codes(model: nn.Module, codes: Optional[Codes] = None) -> dict[str, 
 def _wanted(model: nn.Module, codes: Optional[Codes]) -> dict[str, QuantCode]:
     if codes is None:
         found = quantized_codes(model)
+        for name, code in _live_code_pins(model).items():
+            if name in found and not _same(found[name], code):
+                raise PinError(f"{name!r} is quantized with {found[name]!r} but a code pin holds it with {code!r}")
+            found[name] = code
         if not found:
             raise PinError("no weight of the model carries a code: train it with quantize() (or code pins) and pass "
                            "codes={name: QuantCode} or the code pins, or call this while quantize() is live")
@@ -113,6 +117,22 @@ def _wanted(model: nn.Module, codes: Optional[Codes]) -> dict[str, QuantCode]:
                 raise PinError(f"{name!r} carries two different codes: {wanted[name]!r} and {code!r}")
             wanted[name] = code
     return wanted
+
+
+def _live_code_pins(model: nn.Module) -> dict[str, QuantCode]:
+    """The codes of the code pins of the live ``pin()`` handles on ``model`` (by parameter name)."""
+    from lightning_pin.core.handle import _LIVE
+
+    found: dict[str, QuantCode] = {}
+    for handle in list(_LIVE.get(model, ())):
+        if handle._removed:
+            continue
+        for resolved in handle.engine.plan.pins:
+            for name, selection in resolved.selections.items():
+                code = selection.context.get("code") if selection.kind == "quant_code" else None
+                if isinstance(code, QuantCode):
+                    found[name] = code
+    return found
 
 
 def _same(a: QuantCode, b: QuantCode) -> bool:
