@@ -13,6 +13,10 @@ TORCH_SPEC ?= torch==2.13.0
 # A torchvision that does not load beside this torch (a CUDA build found on a local mirror) is uninstalled again:
 # torchmetrics imports torchvision when it is installed. From the default index it is not tried at all.
 VISION_SPEC ?= torchvision==0.28.0
+# torchao built for that torch (the [deploy] extra: to_torchao, faults --deploy torchao-int8). Installed with
+# --no-deps after the extras: a resolver pass over torchao would be free to pick a build for another torch.
+# The rest of [deploy] (onnx, onnxscript, onnxruntime) comes with the export extra.
+TORCHAO_SPEC ?= torchao==0.18.0
 TORCH_INDEX ?= cpu
 ifeq ($(TORCH_INDEX),cpu)
 TORCH_URL := https://download.pytorch.org/whl/cpu
@@ -42,6 +46,7 @@ $(STAMP): pyproject.toml
 	  { test -z "$(TORCH_URL)" || echo "make: no $(TORCH_SPEC) from $(TORCH_URL); trying the default index"; \
 	    $(PY) -m pip install -q "$(TORCH_SPEC)"; }; }
 	$(PY) -m pip install -q -e ".[dev,app,export,tune,cluster]"
+	$(PY) -m pip install -q --no-deps "$(TORCHAO_SPEC)"
 	touch $(STAMP)
 
 # The Hydra app with its defaults: pretrain a small CNN on digits, stick 5% of its conv weights

@@ -118,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         "fault_curve.csv and fault_curve.png into --out. The same (rate, seed) always draws the same faults; a rerun "
         "with the same --out skips finished jobs. Exit status 2 for bad arguments.",
     )
-    faults.add_argument("--kind", default="value", help="value (stuck at random values), cell (stuck-at-0/1), bit "
-                        "(stuck bits), neuron (stuck neurons: output channels of the layers; pin.neuron_kind=sa0|sa1|"
-                        "value), flip (transient bit flips; implies --no-retrain)")
+    faults.add_argument("--kind", help="value (stuck at random values; the default), cell (stuck-at-0/1), bit "
+                        "(stuck bits; the default with --deploy), neuron (stuck neurons: output channels of the layers; "
+                        "pin.neuron_kind=sa0|sa1|value), flip (transient bit flips; implies --no-retrain)")
     faults.add_argument("--code-bits", type=int, metavar="N", help="--kind bit: stick bits of N-bit integer weight "
                         "codes (one scale per output channel, from the weights; the forward reads the codes) instead "
                         "of float words")
@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--launcher", choices=None,
                         help="run the jobs through a Hydra multirun on this launcher instead: joblib, submitit_local, "
                         "submitit_slurm (with its hydra.launcher.* overrides)")
+    faults.add_argument("--deploy", metavar="TARGET", help="torchao-int8: the test-time campaign (--no-retrain) runs "
+                        "on the trained model quantized by torchao, its faults in the stored int8 codes "
+                        "(needs pip install 'lightning-pin[deploy]')")
     faults.add_argument("--out", help="the study's directory (default: outputs/faults/<date>/<time>)")
     faults.add_argument("--config-dir", metavar="DIR", help="a config directory of your own (DIR/model/NAME.yaml, "
                         "DIR/data/NAME.yaml): model=NAME data=NAME then choose from it")
@@ -175,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=SUMMARIES["check"],
         description="Compare every pinned element of each exported model with the target the pinned file saved. "
         "Exit status 0: every pin holds bit for bit; 1: a pinned element is off target or a pinned parameter is "
-        "missing (an exporter folded or renamed it?); 2: the check could not run. ONNX needs "
+        "missing (an exporter folded or renamed it?); 2: the check could not run. Stuck code bits are read in the "
+        "stored integers of int8 QDQ ONNX models (export --int8) and torchao state dicts. ONNX needs "
         "pip install 'lightning-pin[export]'.",
     )
     check.add_argument(
@@ -197,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "RUN_DIR/model.safetensors, beside the run's checkpoints)")
     export.add_argument("--force", action="store_true",
                         help="replace an existing --to file even if it is not a model export")
+    export.add_argument("--int8", action="store_true",
+                        help="with --to FILE.onnx: every weight the run trained with a code as its integer codes "
+                        "(int8 / uint8 / int4) and a DequantizeLinear (needs pip install 'lightning-pin[deploy]')")
     return parser
 
 
@@ -294,11 +301,13 @@ def _diff(args: argparse.Namespace) -> int:
 def _faults(args: argparse.Namespace, extra: Sequence[str]) -> int:
     from lightning_pin.app.study import Study, StudyError, parse_rates, run_study
 
+    if args.kind is None:  # stuck code bits are what a deployed int8 model's campaign draws by default
+        args.kind = "bit" if args.deploy else "value"
     try:
         study = Study(kind=args.kind, rates=parse_rates(args.rates), seeds=args.seeds, per_layer=args.per_layer,
                       layer_rate=args.layer_rate, jobs=args.jobs, out=args.out, no_retrain=args.no_retrain,
                       launcher=args.launcher, overrides=(*args.overrides, *extra, *_code_bits(args)),
-                      config_dir=_config_dir(args.config_dir))
+                      config_dir=_config_dir(args.config_dir), deploy=args.deploy)
         status = run_study(study)
     except StudyError as err:
         return _fail("faults", str(err))
@@ -391,8 +400,17 @@ def _export(args: argparse.Namespace) -> int:
         from lightning_pin.app.custom import ConfigError
         from lightning_pin.app.export import export_run
 
+        import warnings
+
         to = args.to or Path(args.run_dir) / DEFAULT_EXPORT
-        path = export_run(args.run_dir, to, force=args.force)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            path = export_run(args.run_dir, to, force=args.force, int8=args.int8)
+        for warning in caught:
+            if str(warning.message).startswith("to_onnx:"):  # weights left float: one line
+                print(str(warning.message).replace("to_onnx:", "export:", 1))
+            else:
+                warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     except (PinError, ConfigError, ImportError, OSError) as err:
         return _fail("export", str(err))
     print(f"wrote {path}; verify it with: lightning-pin check {Path(args.run_dir) / 'pinned.ckpt'} {path}")

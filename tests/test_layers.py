@@ -40,6 +40,9 @@ def _imports(folder: str) -> dict[str, set[str]]:
         # The fault generators sit on core: torch only, usable from plain loops.
         ("faults", LIGHTNING + ("hydra", "omegaconf", "torchmetrics", "lightning_pin.callbacks", "lightning_pin.app",
                                 "lightning_pin.reporting")),
+        # Deployment sits on core and faults: torch only (torchao / onnx inside the functions that need them).
+        ("deploy", LIGHTNING + ("hydra", "omegaconf", "torchmetrics", "lightning_pin.callbacks", "lightning_pin.app",
+                                "lightning_pin.reporting")),
     ],
 )
 def test_layer_imports_nothing_above_it(folder, forbidden):

@@ -149,12 +149,13 @@ def _is_model_export(path: Path) -> bool:
         return False
 
 
-def export_run(run_dir: Union[str, Path], to: Union[str, Path], force: bool = False) -> Path:
+def export_run(run_dir: Union[str, Path], to: Union[str, Path], force: bool = False, int8: bool = False) -> Path:
     """Write the run's pinned model to ``to`` (``.safetensors``: its state dict; ``.onnx``: the graph).
 
     The ONNX export uses torch's dynamo exporter with ``optimize=False``: its graph optimizer may
     fold or transpose weights, and then the file would not hold the pinned values
-    (``lightning-pin check`` says which).
+    (``lightning-pin check`` says which). ``int8``: an ONNX file whose weights trained with a code
+    (the run's code pins) are stored as their integer codes (:func:`lightning_pin.deploy.to_onnx`).
 
     Raises:
         PinError: ``to`` has another suffix, is a directory or a file that is not a model export
@@ -165,7 +166,24 @@ def export_run(run_dir: Union[str, Path], to: Union[str, Path], force: bool = Fa
     check_destination(to, force)
     if to.suffix not in FORMATS:
         raise PinError(f"--to {to}: the export format is chosen by the suffix, one of {', '.join(FORMATS)}")
+    if int8 and to.suffix != ".onnx":
+        raise PinError(f"--int8 writes an int8 QDQ ONNX model: give --to FILE.onnx, not {to.name}")
+    if int8:
+        try:
+            import onnx  # noqa: F401
+            import onnxscript  # noqa: F401
+        except ImportError:
+            from lightning_pin.deploy.codes import DEPLOY_EXTRA
+
+            raise PinError(f"--int8 needs onnx and onnxscript: {DEPLOY_EXTRA}") from None
     model = load_run_model(run_dir)
+    if int8:
+        from lightning_pin.deploy.codes import codes_from_checkpoint
+        from lightning_pin.deploy.onnx_qdq import to_onnx
+
+        codes = codes_from_checkpoint(Path(run_dir) / "pinned.ckpt")
+        to.parent.mkdir(parents=True, exist_ok=True)
+        return to_onnx(model, to, example_input(run_dir), int8=True, codes=codes)
     to.parent.mkdir(parents=True, exist_ok=True)
     if to.suffix == ".safetensors":
         from safetensors.torch import save_file

@@ -80,6 +80,8 @@ class Study:
     launcher: Optional[str] = None
     #: A directory of the user's own config groups (``--config-dir``), searched before the app's.
     config_dir: Optional[str] = None
+    #: ``"torchao-int8"``: the test-time campaign runs on the trained model quantized by torchao (its int8 codes).
+    deploy: Optional[str] = None
 
     def __post_init__(self) -> None:
         # ``hydra/launcher=NAME`` among the overrides asks for a launcher, as --launcher does.
@@ -126,8 +128,33 @@ class Study:
             raise StudyError(f"{taken[0]!r} is set by the study itself: use --kind, --rates, --seeds or --out")
         if any(o.startswith("-") for o in self.overrides):
             raise StudyError(f"unknown option {next(o for o in self.overrides if o.startswith('-'))!r}")
+        if self.deploy is not None:
+            _check_deploy(self)
         if self.config_dir is not None and not Path(self.config_dir).is_dir():
             raise StudyError(f"--config-dir {self.config_dir!r} is not a directory")
+
+
+def _check_deploy(study: Study) -> None:
+    """``--deploy torchao-int8``: a test-time campaign (``--no-retrain``) of code-bit or cell faults, or flips."""
+    from lightning_pin.deploy import DEPLOY_TARGETS
+
+    if study.deploy not in DEPLOY_TARGETS:
+        raise StudyError(f"unknown --deploy {study.deploy!r}: use {', '.join(DEPLOY_TARGETS)}")
+    if not study.no_retrain:
+        raise StudyError(f"--deploy {study.deploy} measures the deployed int8 model, which cannot be retrained: "
+                         "add --no-retrain")
+    if study.kind not in ("bit", "cell", "flip"):
+        raise StudyError(f"--deploy {study.deploy} faults the stored int8 codes: use --kind bit, cell or flip")
+    if study.per_layer:
+        raise StudyError(f"--deploy {study.deploy} does not take --per-layer yet")
+    if any(o.split("=", 1)[0].lstrip("+~") == "pin.code_bits" for o in study.overrides):
+        raise StudyError(f"--deploy {study.deploy} faults torchao's own 8-bit codes: drop --code-bits")
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        from lightning_pin.deploy import DEPLOY_EXTRA
+
+        raise StudyError(f"--deploy {study.deploy} needs torchao: {DEPLOY_EXTRA}") from None
 
 
 #: Keys the study sets on every job; an override of one of them would break the grid.
@@ -215,8 +242,10 @@ def _run(study: Study, out: Path, progress: "Progress") -> int:
 
     if study.no_retrain:
         with progress.stage("building the model and its validation batches"):
-            campaign = ForcedCampaign(template, ckpt, progress)
-        campaign.recipe = " ".join(study.overrides)
+            campaign = ForcedCampaign(template, ckpt, progress, deploy=study.deploy,
+                                      params_given=any(o.split("=", 1)[0].lstrip("+~") == "pin.params"
+                                                       for o in study.overrides))
+        campaign.recipe = " ".join([*study.overrides, *([f"--deploy {study.deploy}"] if study.deploy else [])])
         rows = campaign.run(curve_jobs, "fault curve")
         layer_rows = campaign.run(layer_jobs, "per layer") if layer_jobs else []
         campaign.check_restored()
@@ -805,7 +834,8 @@ class ForcedCampaign:
     (``changed_bits`` of a retrained study's rows).
     """
 
-    def __init__(self, template: Any, ckpt: str, progress: Progress, evaluate: bool = True) -> None:
+    def __init__(self, template: Any, ckpt: str, progress: Progress, evaluate: bool = True,
+                 deploy: Optional[str] = None, params_given: bool = True) -> None:
         import torch
         from hydra.utils import instantiate
 
@@ -822,7 +852,13 @@ class ForcedCampaign:
         self.model = build_model(template, optimizer, announce=False).model
         load_weights(self.model, ckpt)
         self.model.eval()
-        self._reference = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        #: ``--deploy torchao-int8``: the int8 weights torchao made (their stored codes are faulted).
+        self.deployed: list[str] = []
+        if deploy is not None:
+            from lightning_pin.deploy import quantize_torchao
+
+            self.deployed = quantize_torchao(self.model)
+        self._reference = {n: _stored(p).clone() for n, p in self.model.named_parameters()}
         self._parameters = dict(self.model.named_parameters())
         self.sizes = {n: p.numel() for n, p in self.model.named_parameters()}
         self.batches: list[Any] = []
@@ -837,6 +873,8 @@ class ForcedCampaign:
         # Read once: OmegaConf lookups would cost more per draw than drawing a few faults.
         pin = template.pin
         self._params = expand_params(_plain(pin.params), self.model)  # a model of your own: its 2+-dim weights
+        if self.deployed:
+            self._params = _deployed_params(self.model, self._params, self.deployed, progress, params_given)
         self._options = {key: _plain(pin.get(key)) for key in ("low", "high", "sa1_fraction", "cell_high", "bits",
                                                                "one_fraction", "code_bits", "neuron_kind", "per",
                                                                "modules")
@@ -917,8 +955,37 @@ class ForcedCampaign:
         torch = self.torch
         for name, parameter in self.model.named_parameters():
             before = self._reference[name]
-            if not torch.equal(parameter.detach().view(-1).view(torch.uint8), before.view(-1).view(torch.uint8)):
+            if not torch.equal(_stored(parameter).view(-1).view(torch.uint8), before.view(-1).view(torch.uint8)):
                 raise PinError(f"{name} was not restored exactly after the draws")
+
+
+def _stored(parameter: Any) -> Any:
+    """What a parameter stores: its int8 codes for a torchao weight, else its words."""
+    return parameter.qdata.detach() if hasattr(parameter, "qdata") else parameter.detach()
+
+
+def _deployed_params(model: Any, params: Any, deployed: Sequence[str], progress: Progress,
+                     params_given: bool = True) -> list[str]:
+    """The torchao int8 weights among those ``params`` matches (torchao leaves the others float: not faulted).
+
+    The app's default weights of a CNN are its convolutions, which torchao leaves float: without
+    ``pin.params=`` given, the campaign then faults every int8 weight, and says so.
+    """
+    from lightning_pin.faults._common import exact_pattern, floating_parameters
+
+    matched = list(floating_parameters(model, params, "faults --deploy"))
+    chosen = [name for name in matched if name in deployed]
+    if not chosen and not params_given:
+        progress.line(f"torchao int8: the default weights ({', '.join(matched)}) stay float in torchao (it quantizes "
+                      f"nn.Linear weights only); faults in every int8 weight instead (pin.params= chooses)")
+        matched, chosen = list(deployed), list(deployed)
+    if not chosen:
+        raise PinError(f"--deploy: none of {', '.join(matched)} is an int8 weight of the torchao model "
+                       f"(torchao quantizes nn.Linear weights: {', '.join(deployed)})")
+    left = [name for name in matched if name not in deployed]
+    progress.line(f"torchao int8: faults in the stored codes of {', '.join(chosen)}"
+                  + (f"; left float (not faulted): {', '.join(left)}" if left else ""))
+    return [exact_pattern(name) for name in chosen]
 
 
 def _batch_limit(limit: Any, batches: int) -> int:

@@ -645,8 +645,12 @@ def refuse_sparse_gradients(plan: PinPlan, module: nn.Module) -> None:
 
     Raises:
         PinError: an element pin sits on the weight of an ``nn.Embedding`` / ``nn.EmbeddingBag``
-            with ``sparse=True``.
+            with ``sparse=True``, or a pin on a weight quantized by torchao (int8 codes, not trainable).
     """
+    for name, parameter in plan.parameters.items():
+        if isinstance(getattr(parameter, "qdata", None), Tensor):  # a runtime's quantized weight (torchao)
+            raise PinError(f"{name!r} is stored as int8 codes by torchao and is not trainable: pin and train the float "
+                           "model (with code pins / quantize()), then convert it with lightning_pin.deploy.to_torchao")
     element_pinned = {
         name for rp in plan.pins for name, selection in rp.selections.items() if selection.index is not None
     }

@@ -17,6 +17,10 @@ faults for a module and return plain :class:`~lightning_pin.Pin` lists, to give 
 - :func:`save_fault_map` / :func:`load_fault_map`: one file format for stuck values, stuck bits
   and bounds per parameter name, so a chip's measured fault map can be pinned as it is.
 
+On a model quantized by torchao (``quantize_(model, Int8WeightOnlyConfig())``), ``bit_faults``,
+``cell_faults``, ``flip_bits`` and ``forced_patch`` act on the stored int8 codes (``qdata``, bits
+0-7), never the scales (:mod:`lightning_pin.faults.int8`).
+
 Every draw is seeded with ``seed`` and the parameter's name and made on the CPU in full-parameter
 coordinates: the same faults on every rank, run and resume. Torch only (no Lightning).
 """

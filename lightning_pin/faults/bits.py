@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds.quant_code import QuantCode
+from lightning_pin.faults.int8 import is_int8_weight, stored_code
 from lightning_pin.faults.quantize import weight_code
 from lightning_pin.core.plan import name_seed
 from lightning_pin.core.spec import Pin
@@ -76,6 +77,8 @@ def bit_faults(
             not moved onto the code's grid). No pattern of code bits is refused: none is re-drawn.
             An int ``n``: each parameter's own symmetric signed ``n``-bit code with one scale per
             output channel (axis 0) from its current weights (:func:`~lightning_pin.faults.quantize.weight_code`).
+            A weight stored as int8 codes (a torchao ``Int8Tensor``) is always drawn over its 8 code
+            bits (the draw ``code=8`` makes on the float weight it came from); its scales are never hit.
 
     Returns:
         A :class:`FaultPins` list of stuck-bit pins (masks in the signed integer type of the word:
@@ -106,8 +109,14 @@ def bit_faults(
     if code is not None and not _is_bits(code):
         code = given = QuantCode.from_config(code)
     for name, parameter in floating_parameters(module, params, "bit_faults").items():
-        dtype = parameter.dtype
-        if given is not None:
+        dtype, code = parameter.dtype, None
+        if is_int8_weight(parameter):  # a runtime's int8 codes (torchao): the draw is over their 8 bits
+            code = stored_code(parameter, name)
+            if given is not None and not (given == 8 if _is_bits(given) else given.bits == 8 and given.signed):
+                raise PinError(f"bit_faults: {name!r} is stored as int8 codes; code={given!r} does not describe "
+                               "them (give code=None or 8)")
+            positions = code_bit_positions(bits, code, name)
+        elif given is not None:
             code = weight_code(parameter, given, name) if _is_bits(given) else given
             positions = code_bit_positions(bits, code, name)
         elif dtype not in BITS_DTYPES:
@@ -143,7 +152,9 @@ def bit_faults(
             f"{value.numel() - ones:,} read 0; bits {_ranges(positions)}); {redrawn} re-drawn, 0 skipped"
         )
     of_code = ""
-    if given is not None:
+    if given is None and code is not None:
+        of_code = ", stored int8 codes"
+    elif given is not None:
         of_code = f", int{given} codes per channel" if _is_bits(given) else f", {given.describe()}"
     title = f"bit faults (rate {rate:g}, one_fraction {one_fraction:g}, seed {seed}{of_code})"
     return finish(pins, title, lines, faulty, redrawn_total, 0)

@@ -12,6 +12,7 @@ from torch import nn
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import name_seed
 from lightning_pin.core.spec import Pin
+from lightning_pin.faults.int8 import is_int8_weight, stored_code
 from lightning_pin.faults._common import (
     FaultPins,
     Params,
@@ -61,7 +62,8 @@ def cell_faults(
         rate: Fraction of faulty cells per parameter, in ``[0, 1]``; 0 draws no fault.
         sa1_fraction: Probability that a faulty cell is SA1, in ``[0, 1]``.
         high: The magnitude SA1 cells read (a finite number > 0), stored in the parameter's dtype;
-            ``None``: the parameter's largest magnitude.
+            ``None``: the parameter's largest magnitude. On a weight stored as int8 codes (torchao)
+            the pins hold int8 codes: SA0 reads the zero point's code, SA1 ``high`` codes from it.
         seed: Seed of the draw.
 
     Returns:
@@ -94,6 +96,9 @@ def cell_faults(
         raise PinError(f"cell_faults: high must be None or a finite number > 0, got {high!r}")
     pins, lines, faulty = [], [], {}
     for name, parameter in floating_parameters(module, params, "cell_faults").items():
+        if is_int8_weight(parameter):
+            _int8_cells(pins, lines, faulty, name, parameter, rate, sa1_fraction, high, int(seed))
+            continue
         weights = parameter.detach()
         count = round(float(rate) * weights.numel())
         faulty[name] = count
@@ -121,3 +126,38 @@ def cell_faults(
             f"at ±{magnitude.item():.6g})"
         )
     return finish(pins, f"cell faults (rate {rate:g}, sa1_fraction {sa1_fraction:g}, seed {seed})", lines, faulty)
+
+
+def _int8_cells(pins: list, lines: list, faulty: dict, name: str, parameter: torch.Tensor, rate: float,
+                sa1_fraction: float, high: Optional[float], seed: int) -> None:
+    """Stuck cells of a weight stored as int8 codes (torchao): the pin's values are int8 codes.
+
+    The same cells and SA1 draws as on a float weight of that name; an SA0 cell reads the code of
+    0.0 (the zero point), an SA1 cell the zero point plus ``high`` codes with the sign of its weight
+    (``high``: a whole number of codes, default the tensor's largest ``|q - zero_point|``), clamped to int8.
+    """
+    codes = parameter.qdata.detach().reshape(-1).to(torch.int64)
+    zero_point = stored_code(parameter, name).zero_point
+    count = round(float(rate) * codes.numel())
+    faulty[name] = count
+    if count == 0:
+        lines.append(f"{name}: no faulty cell ({rate:g} of {codes.numel():,} rounds to 0)")
+        return
+    ids, uniforms = arrivals(codes.numel(), count, name_seed(f"{name}:cells", seed), name_seed(f"{name}:sa1", seed))
+    order = ids.argsort()
+    cells, sa1 = ids[order], (uniforms < sa1_fraction)[order]
+    centred = codes.cpu() - zero_point
+    if high is None:
+        magnitude = int(centred.abs().max())
+    elif float(high) != int(high):
+        raise PinError(f"cell_faults: {name!r} is stored as int8 codes; high={high!r} must be a whole number of codes")
+    else:
+        magnitude = int(high)
+    sign = torch.where(centred[cells] < 0, -1, 1)
+    # an SA1 cell reads the extreme code on its weight's side, within int8 (-128 has no +128 partner)
+    values = torch.where(sa1, zero_point + sign * magnitude, torch.full_like(sign, zero_point)).clamp(-128, 127)
+    pins.append(Pin(exact_pattern(name), indices=coordinates(cells, tuple(parameter.shape)),
+                    value=values.to(torch.int8)))
+    ones = int(sa1.sum())
+    lines.append(f"{name}: {count:,} of {codes.numel():,} int8 cells stuck (SA0 {count - ones:,} at code "
+                 f"{zero_point}, SA1 {ones:,} at ±{magnitude} codes)")

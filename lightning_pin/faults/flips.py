@@ -22,14 +22,19 @@ from lightning_pin.core.plan import resolve
 from lightning_pin.core.spec import Pin
 from lightning_pin.core.state import BITS_DTYPES
 from lightning_pin.faults._common import Params, check_fraction, check_seed, exact_name, floating_parameters
-from lightning_pin.faults.bits import BitSpec, _ranges, bit_positions, drawn_pairs
+from lightning_pin.faults.bits import BitSpec, _ranges, bit_positions, code_bit_positions, drawn_pairs
+from lightning_pin.faults.int8 import int8_codes, is_int8_weight, stored_code
 
 #: Set bits of every byte value (a popcount without torch.bitwise_count, which torch lacks).
 _POPCOUNT = torch.tensor([bin(b).count("1") for b in range(256)], dtype=torch.int64)
 
 
 def changed_bits(before: Tensor, after: Tensor) -> int:
-    """How many bits differ between two tensors of words (any dtype; compared as bytes)."""
+    """How many bits differ between two tensors of words (any dtype; compared as bytes).
+
+    A weight stored as int8 codes (torchao) is compared by its codes (``qdata``): code bits.
+    """
+    before, after = (t.qdata if is_int8_weight(t) else t for t in (before, after))
     if before.numel() == 0:
         return 0
     differ = before.contiguous().view(torch.uint8) ^ after.contiguous().view(torch.uint8)
@@ -37,7 +42,12 @@ def changed_bits(before: Tensor, after: Tensor) -> int:
 
 
 def _words(parameter: Tensor, name: str) -> Tensor:
-    """The parameter's storage as a flat tensor of signed integer words (a view: writes land in the weights)."""
+    """The parameter's storage as a flat tensor of signed integer words (a view: writes land in the weights).
+
+    For a weight stored as int8 codes (torchao): its codes, never its scales."""
+    codes = int8_codes(parameter, name)
+    if codes is not None:
+        return codes
     if parameter.dtype not in BITS_DTYPES:
         raise PinError(f"{name!r} is {parameter.dtype}: words are modelled for {', '.join(map(str, BITS_DTYPES))}")
     if not parameter.is_contiguous():
@@ -132,6 +142,10 @@ def forced_patch(module: nn.Module, pins: Sequence[Pin], *,
             parameter = selection.parameter
             if name in changes:
                 raise PinError(f"forced_patch: {name!r} is in two fault pins; draw one pin per parameter")
+            if is_int8_weight(parameter):
+                raise PinError(f"forced_patch: {name!r} is stored as int8 codes; give the pins bit_faults or "
+                               f"cell_faults draw on it (its exact name, indices, per-element masks or codes), not "
+                               f"{resolved.pin!r}")
             words = _words(parameter, name)
             index = (
                 torch.arange(parameter.numel(), device=words.device)
@@ -158,16 +172,22 @@ def _direct_patch(module: nn.Module, pins: Sequence[Pin],
                  and pin.stop_step is None and pin.bounds is None)
         if parameter is None or name in changes or not plain or not isinstance(pin.indices, Tensor):
             return None
-        if parameter.dtype not in BITS_DTYPES or not parameter.is_contiguous():
+        int8 = is_int8_weight(parameter)
+        if not int8 and (parameter.dtype not in BITS_DTYPES or not parameter.is_contiguous()
+                         or getattr(pin, "code", None) is not None):  # a code's masks are code bits, not word bits
             return None
         indices = pin.indices
         if indices.dtype not in (torch.int32, torch.int64) or indices.ndim != 2 or indices.shape[1] != parameter.ndim:
             return None
-        strides = torch.tensor(parameter.stride(), dtype=torch.int64)
+        strides = torch.tensor((parameter.qdata if int8 else parameter).stride(), dtype=torch.int64)
         index = (indices.to(torch.int64) * strides).sum(dim=1)
         count = index.numel()
-        word = BITS_DTYPES[parameter.dtype]
+        word = torch.int8 if int8 else BITS_DTYPES[parameter.dtype]
         zero, one = pin.stuck_at_zero, pin.stuck_at_one
+        if int8:
+            change = _int8_change(pin, name, count)
+            changes[name] = (parameter, index, change)
+            continue
         if zero is not None or one is not None:
             masks = [m for m in (zero, one) if m is not None]
             if not all(isinstance(m, Tensor) and m.dtype == word and m.shape == (count,) for m in masks):
@@ -179,6 +199,28 @@ def _direct_patch(module: nn.Module, pins: Sequence[Pin],
         else:
             return None
     return WordPatch(changes)
+
+
+def _int8_change(pin: Pin, name: str, count: int) -> Rewrite:
+    """The rewrite of a drawn pin on a weight stored as int8 codes: code-bit masks (bits 0-7) or int8 codes."""
+    zero, one = pin.stuck_at_zero, pin.stuck_at_one
+    if zero is not None or one is not None:
+        masks = [m for m in (zero, one) if m is not None]
+        if not all(isinstance(m, Tensor) and not m.is_floating_point() and m.dtype != torch.bool
+                   and m.shape == (count,) for m in masks):
+            raise PinError(f"forced_patch: {name!r} is stored as int8 codes; its stuck bits must be per-element "
+                           f"integer code-bit masks, as bit_faults draws them")
+        wide = [m.to(torch.int64) for m in masks]
+        if any(bool(((m < 0) | (m > 0xFF)).any()) for m in wide):
+            raise PinError(f"forced_patch: {name!r} is stored as int8 codes; a code-bit mask must be within 0x00..0xff")
+        # integer casts wrap: bit 7 of the mask lands on the int8 code's sign bit
+        return _stuck(None if zero is None else zero.to(torch.int64).to(torch.int8),
+                      None if one is None else one.to(torch.int64).to(torch.int8), torch.int8)
+    value = pin.value
+    if isinstance(value, Tensor) and value.dtype == torch.int8 and value.shape == (count,):
+        return lambda old, new=value: new.to(old.device)
+    raise PinError(f"forced_patch: {name!r} is stored as int8 codes; give it code-bit masks or int8 codes per "
+                   f"element (bit_faults / cell_faults draw them), not {pin!r}")
 
 
 def _stuck(zero: Optional[Tensor], one: Optional[Tensor], dtype: torch.dtype) -> Rewrite:
@@ -225,6 +267,9 @@ def flip_bits(module: nn.Module, params: Params, rate: float, *, bits: BitSpec =
     A flip may make a word inf or NaN (an exponent flipped to all ones): that is what such a fault
     does to an evaluation, and nothing is refused or re-drawn.
 
+    A weight stored as int8 codes (a torchao ``Int8Tensor``) flips bits 0-7 of its codes (``qdata``),
+    never its scales.
+
     Args:
         module: The module to evaluate.
         params: ``fnmatch`` globs (or ``"re:"`` regular expressions) over parameter names.
@@ -252,12 +297,16 @@ def flip_bits(module: nn.Module, params: Params, rate: float, *, bits: BitSpec =
     check_seed(seed)
     changes, positions, flipped, lines = {}, {}, {}, []
     for name, parameter in floating_parameters(module, params, "flip_bits").items():
-        if parameter.dtype not in BITS_DTYPES:
+        if is_int8_weight(parameter):  # a runtime's int8 codes (torchao): flips of their 8 bits
+            chosen = code_bit_positions(bits, stored_code(parameter, name), name)
+            word = torch.int8
+        elif parameter.dtype not in BITS_DTYPES:
             raise PinError(
                 f"flip_bits: {name!r} is {parameter.dtype}; bit flips are modelled for "
                 f"{', '.join(map(str, BITS_DTYPES))}"
             )
-        chosen = bit_positions(bits, parameter.dtype, name)
+        else:
+            chosen, word = bit_positions(bits, parameter.dtype, name), BITS_DTYPES[parameter.dtype]
         numel = parameter.numel()
         pairs, _, _ = drawn_pairs(name, numel * len(chosen), float(rate), int(seed), 0.5)
         element = pairs // len(chosen)
@@ -269,7 +318,7 @@ def flip_bits(module: nn.Module, params: Params, rate: float, *, bits: BitSpec =
             continue
         cells, owner = torch.unique_consecutive(element, return_inverse=True)
         mask = torch.zeros(cells.numel(), dtype=torch.int64).index_add(0, owner, torch.ones_like(bit) << bit)
-        flip = mask.to(BITS_DTYPES[parameter.dtype])  # integer casts wrap: the same bits in the word's type
+        flip = mask.to(word)  # integer casts wrap: the same bits in the word's type
         changes[name] = (parameter, cells, lambda old, flip=flip: old ^ flip.to(old.device))
         lines.append(f"{name}: {pairs.numel():,} flipped bits in {cells.numel():,} of {numel:,} elements "
                      f"(bits {_ranges(chosen)})")

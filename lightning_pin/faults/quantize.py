@@ -11,6 +11,7 @@ gradient ``round(w / s) - w / s`` (``qmin`` / ``qmax`` minus the zero point wher
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -42,6 +43,31 @@ def fake_quantize(weight: Tensor, scale: Tensor, code: QuantCode) -> Tensor:
     return ((q - code.zero_point) * s).to(weight.dtype)
 
 
+#: Per module :func:`quantize` was called on: the code of each parameter it quantizes now (what
+#: :func:`lightning_pin.deploy.to_torchao` / ``to_onnx`` write when given no codes).
+_CODES: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[QuantCode, int]]]" = weakref.WeakKeyDictionary()
+
+
+def quantized_codes(module: nn.Module) -> dict[str, QuantCode]:
+    """The code of every parameter of ``module`` whose forward reads its dequantized code now (live :func:`quantize`).
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 1)
+        >>> handle = quantize(net, "weight", {"bits": 8, "scale": 0.5})
+        >>> quantized_codes(net)
+        {'weight': QuantCode(bits=8, scale=0.5)}
+        >>> handle.remove(); quantized_codes(net)
+        {}
+    """
+    return {name: code for name, (code, _) in _CODES.get(module, {}).items()}
+
+
+def is_quantize_hook(hook: Any) -> bool:
+    """Whether a module hook is one :func:`quantize` registered (a copy of the module keeps them)."""
+    return bool(getattr(hook, "_lightning_pin_quantize", False))
+
+
 class QuantizeHandle:
     """What :func:`quantize` returns: ``remove()`` ends it (also a context manager).
 
@@ -59,16 +85,23 @@ class QuantizeHandle:
         0.30000001192092896
     """
 
-    def __init__(self, hooks: list[Any], names: list[str]) -> None:
+    def __init__(self, hooks: list[Any], names: list[str], module: Optional[nn.Module] = None) -> None:
         self._hooks = hooks
         #: The parameters whose forward reads dequantized codes.
         self.names = names
+        self._module = None if module is None else weakref.ref(module)
 
     def remove(self) -> None:
         """The forward reads the parameters again."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        module = None if self._module is None else self._module()
+        held = _CODES.get(module) if module is not None else None
+        if held is not None:
+            for name in self.names:
+                if name in held and held[name][1] == id(self):
+                    del held[name]
 
     def __enter__(self) -> QuantizeHandle:
         return self
@@ -119,9 +152,14 @@ def quantize(module: nn.Module, params: Params, code: QuantCode | Any) -> Quanti
             for attr, _ in entries:
                 mod.__dict__.pop(attr, None)
 
+        before._lightning_pin_quantize = after._lightning_pin_quantize = True  # type: ignore[attr-defined]
         hooks.append(owner.register_forward_pre_hook(before))
         hooks.append(owner.register_forward_hook(after, always_call=True))
-    return QuantizeHandle(hooks, list(named))
+    handle = QuantizeHandle(hooks, list(named), module)
+    held = _CODES.setdefault(module, {})
+    for name in named:
+        held[name] = (code, id(handle))
+    return handle
 
 
 def weight_code(weight: Tensor, bits: int, name: str = "") -> QuantCode:

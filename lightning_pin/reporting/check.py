@@ -198,7 +198,9 @@ def check_artifacts(
     Args:
         pinned: A Lightning checkpoint saved by a fit with :class:`~lightning_pin.PinCallback`, a
             file holding a :class:`~lightning_pin.PinHandle` state dict (alone or under ``"pins"``,
-            as ``{"model": ..., "pins": handle.state_dict()}``), or such a dict already loaded.
+            as ``{"model": ..., "pins": handle.state_dict()}``), or such a dict already loaded; or a
+            list of code pins as :func:`~lightning_pin.faults.bit_faults` draws them (exact names,
+            ``indices``, per-element masks, ``code=``), read against the first artifact's shapes.
         artifacts: One or more exported models: ``.onnx`` files (external data included),
             ``.safetensors`` files, torch state dicts in ``.pt`` / ``.pth`` / ``.ckpt`` (Lightning
             checkpoints too), or state dicts in memory (``model.state_dict()``).
@@ -220,7 +222,10 @@ def check_artifacts(
     for artifact in artifacts:
         if not isinstance(artifact, Mapping):
             _artifact_kind(Path(artifact).expanduser())
-    label, states, weights = _read_pinned(pinned)
+    if isinstance(pinned, (list, tuple)):
+        label, states, weights = "the code pins", {"pins": _state_of_code_pins(pinned, artifacts[0])}, {}
+    else:
+        label, states, weights = _read_pinned(pinned)
     known = set(weights)
     for state in states.values():
         for selections in state.pins:
@@ -249,6 +254,48 @@ def check_artifacts(
 
 # ----------------------------------------------------------------------------------------------
 # The pinned file
+
+
+def _state_of_code_pins(pins: Iterable[Any], artifact: Union[PathLike, Mapping[str, Tensor]]) -> PinState:
+    """The saved form of code pins drawn with indices (as bit_faults draws them), their shapes read in ``artifact``."""
+    import re
+
+    from lightning_pin.core.kinds.quant_code import QuantizedCode
+
+    reader = _open_artifact(artifact)
+    selections = []
+    for pin in pins:
+        code = getattr(pin, "code", None)
+        indices = getattr(pin, "indices", None)
+        name = re.sub(r"\[([*?\[])\]", r"\1", pin.params) if isinstance(getattr(pin, "params", None), str) else None
+        if code is None or not isinstance(indices, Tensor) or indices.ndim != 2 or name is None:
+            raise CheckError(f"check_artifacts reads Pin objects that are code pins with indices (as bit_faults "
+                             f"draws them), not {pin!r}: pass the pin state (handle.state_dict() or a checkpoint)")
+        if name not in reader.shapes:
+            raise CheckError(f"{name!r} of {pin!r} is not a tensor of {reader.label}")
+        shape = reader.shapes[name]
+        if code.named or len(shape) != indices.shape[1]:
+            raise CheckError(f"{pin!r}: a code pin of a {len(shape)}-D tensor with a fixed scale is read here; "
+                             "pass the pin state (handle.state_dict() or a checkpoint) for others")
+        strides = torch.tensor([_numel(shape[d + 1:]) for d in range(len(shape))], dtype=torch.int64)
+        flat = (indices.to(torch.int64) * strides).sum(dim=1)
+        order = torch.argsort(flat)
+        axis = None if code.axis is None else code.axis % len(shape)
+        channel = torch.zeros_like(flat) if axis is None else indices[:, axis].to(torch.int64)
+        scale = torch.as_tensor(code.scale, dtype=torch.float32).reshape(-1)
+
+        def mask(field: str) -> Tensor:
+            raw = getattr(pin, field)
+            values = torch.zeros(flat.numel(), dtype=torch.int32) if raw is None else torch.as_tensor(raw)
+            return values.to(torch.int32).expand(flat.numel())[order].clone()
+
+        payload = {"stuck_at_zero": mask("stuck_at_zero"), "stuck_at_one": mask("stuck_at_one"),
+                   "channel": channel[order], "scale": scale,
+                   "spec": torch.tensor([code.bits, code.zero_point, int(code.signed), -1 if axis is None else axis]),
+                   "scale_name": torch.zeros(0, dtype=torch.uint8)}
+        selections.append({name: SavedSelection(flat[order], None, True, QuantizedCode.kind, payload=payload)})
+    ids = frozenset(range(len(selections)))
+    return PinState(tuple(f"code pin {i}" for i in ids), tuple(selections), ids, ids)
 
 
 def _read_pinned(pinned: Union[PathLike, Mapping[str, Any]]) -> tuple[str, dict[str, PinState], dict[str, Tensor]]:
@@ -390,6 +437,8 @@ def _open_artifact(artifact: Union[PathLike, Mapping[str, Tensor]]) -> _Reader:
 
 
 def _tensor_reader(label: str, kind: str, tensors: dict[str, Tensor]) -> _Reader:
+    # A torchao int8 weight is read as its stored codes (qdata): stuck code bits are checked in them.
+    tensors = {name: t.qdata if isinstance(getattr(t, "qdata", None), Tensor) else t for name, t in tensors.items()}
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     return _Reader(label, kind, shapes, lambda name: tensors[name].detach().cpu())
 
@@ -435,6 +484,9 @@ def _onnx_tensor(initializer: Any, path: Path) -> Tensor:
         TensorProto.FLOAT8E5M2: (np.uint8, getattr(torch, "float8_e5m2", None)),
         TensorProto.FLOAT8E5M2FNUZ: (np.uint8, getattr(torch, "float8_e5m2fnuz", None)),
     }
+    if initializer.data_type in (TensorProto.INT4, TensorProto.UINT4):  # ml_dtypes int4: widened, same codes
+        return torch.from_numpy(np.asarray(array).astype(np.int8 if initializer.data_type == TensorProto.INT4
+                                                         else np.uint8))
     if initializer.data_type in bits and bits[initializer.data_type][1] is not None:
         raw, dtype = bits[initializer.data_type]
         return torch.from_numpy(np.ascontiguousarray(array).view(raw).copy()).view(dtype)

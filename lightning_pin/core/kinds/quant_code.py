@@ -455,6 +455,13 @@ class QuantizedCode(Kind):
     def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
         payload = saved.payload
         bits, zero_point, signed, _ = (int(x) for x in payload["spec"])
+        zero, one = payload["stuck_at_zero"].reshape(-1), payload["stuck_at_one"].reshape(-1)
+        if not values.is_floating_point() and not values.is_complex() and values.dtype != torch.bool:
+            # A deployed artifact's stored integer codes (int8 / uint8 / int4 ONNX initializers, torchao qdata):
+            # the stuck bits are read in the codes themselves, no scale needed.
+            codes = values.reshape(-1).to(torch.int32)
+            held = stick(codes, zero, one, bits, bool(signed))
+            return held != codes, lambda i: _describe_stored(codes, zero, one, held, bits, i)
         if payload["scale"].numel() == 0:
             name = bytes(payload["scale_name"].tolist()).decode()
             raise Unreadable("stuck code bits", f"a code whose scale {name!r} is stored beside it")
@@ -465,7 +472,6 @@ class QuantizedCode(Kind):
         channel = payload["channel"].reshape(-1).long()
         s = scale[channel] if scale.numel() > 1 else scale.expand(channel.numel())
         qmin, qmax = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
-        zero, one = payload["stuck_at_zero"].reshape(-1), payload["stuck_at_one"].reshape(-1)
         flat = values.reshape(-1)
         codes = codes_of(flat.to(cdt), s, zero_point, qmin, qmax)
         held = dequantize(stick(codes, zero, one, bits, bool(signed)), s, zero_point, values.dtype)
@@ -638,6 +644,21 @@ def _describe_code(codes: Tensor, zero: Tensor, one: Tensor, held: Tensor, bits:
         parts.append(f"stuck at 0: 0x{z:0{width}x}")
     parts.append(f"wrong: 0x{wrong:0{width}x}" if wrong else "off the code's grid")
     return ", ".join(parts) + f"; expected {held[i].item()!r}"
+
+
+def _describe_stored(codes: Tensor, zero: Tensor, one: Tensor, held: Tensor, bits: int, i: int) -> str:
+    """``"stored code 0x5a, stuck at 1: 0x01, wrong: 0x01; expected code 0x5b"`` for one stored integer code."""
+    width = max(2, (bits + 3) // 4)
+    full = (1 << bits) - 1
+    word, z, o = int(codes[i]) & full, int(zero[i]), int(one[i])
+    wrong = ((word & z) | (~word & o)) & full
+    parts = [f"stored code 0x{word:0{width}x}"]
+    if o:
+        parts.append(f"stuck at 1: 0x{o:0{width}x}")
+    if z:
+        parts.append(f"stuck at 0: 0x{z:0{width}x}")
+    parts.append(f"wrong: 0x{wrong:0{width}x}" if wrong else f"outside the {bits}-bit code")
+    return ", ".join(parts) + f"; expected code 0x{int(held[i]) & full:0{width}x}"
 
 
 def code_of(payload: Mapping[str, Tensor], parameter: Tensor) -> QuantCode:
