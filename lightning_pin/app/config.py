@@ -417,6 +417,8 @@ class PinMonitorConfig:
     dataloader_idx: int = 0
     report: bool = True
     report_dir: Optional[str] = None
+    #: Known already (a fault study measures it once for all its jobs): not measured again.
+    baseline: Optional[float] = None
 
 
 @dataclass
@@ -507,6 +509,10 @@ class TrainConfig:
     continual: Optional[ContinualConfig] = None
     #: Return the saved summary of a job whose directory already holds run_summary.json (resuming a sweep).
     skip_finished: bool = False
+    #: What the pinned retraining keeps: ``full`` (``pinned.ckpt``: weights, optimizer state, pin state: resumable)
+    #: or ``weights`` (``pinned.safetensors`` and the pin state ``pins.pt``, which ``lightning-pin check`` reads;
+    #: what ``lightning-pin faults`` keeps per job unless ``--keep-checkpoints``).
+    pinned_checkpoint: str = "full"
 
 
 _SCHEMAS: dict[str, dict[str, type]] = {

@@ -105,6 +105,8 @@ class PinMonitor:
         dataloader_idx: Which validation dataloader to track.
         report: Write the report files and print the table at the end of training.
         report_dir: Where to write the report (default: the first logger's ``log_dir``).
+        baseline: The baseline when it is already known, not measured again: many fits that start from one
+            model (the jobs of a fault study) share one measurement of it. ``None``: measured at train start.
 
     Raises:
         PinError: When built, for an ``accuracy`` that is neither a bool nor a torchmetrics
@@ -140,6 +142,7 @@ class PinMonitor:
         dataloader_idx: int = 0,
         report: bool = True,
         report_dir: Optional[str] = None,
+        baseline: Optional[float] = None,
     ) -> None:
         if not (accuracy is True or accuracy is False or accuracy is None or isinstance(accuracy, Metric)):
             raise PinError(f"accuracy must be True, False or a torchmetrics Metric, got {type(accuracy).__name__}")
@@ -168,6 +171,10 @@ class PinMonitor:
         self.dataloader_idx = dataloader_idx
         self.report = report
         self.report_dir = report_dir
+        if baseline is not None and not math.isfinite(baseline):
+            raise PinError(f"baseline must be None or a finite number, got {baseline!r}")
+        #: The given baseline (None: measured at train start).
+        self.known_baseline = None if baseline is None else float(baseline)
         self._reset()
 
     def _reset(self) -> None:
@@ -218,6 +225,9 @@ class PinMonitor:
         self._report_dir = self._resolve_report_dir(trainer)
         self._baseline = None
         if self.preservation is None or self.preservation.baseline is not None or trainer.global_step > 0:
+            return
+        if self.known_baseline is not None:
+            self._baseline = self.known_baseline
             return
         loader, limit = self._val_loader(trainer)
         if loader is None:

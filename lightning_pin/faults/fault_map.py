@@ -112,7 +112,7 @@ def save_fault_map(
     tensors: dict[str, Tensor] = {}
     for name, parts in entries.items():
         shape = _one_shape(name, parts)
-        tensors.update(_merge(name, [(coords, fields) for coords, fields, _ in parts]))
+        tensors.update(_merge(name, [(coords, fields) for coords, fields, _ in parts], shape))
         if shape is not None:
             tensors[f"{name}:{SHAPE}"] = torch.tensor(shape, dtype=torch.int64).reshape(len(shape))
         tensors.update((f"{name}:{field}", tensor) for field, tensor in specs.get(name, {}).items())
@@ -424,12 +424,21 @@ def _per_element(pin: Pin, field: str, raw: Any, coords: Tensor, full: Optional[
     )
 
 
-def _merge(name: str, parts: list[tuple[Tensor, dict[str, Tensor]]]) -> dict[str, Tensor]:
+def _merge(name: str, parts: list[tuple[Tensor, dict[str, Tensor]]],
+           shape: Optional[tuple[int, ...]] = None) -> dict[str, Tensor]:
     """The fault-map entries of one parameter: the union of its pins' elements and their fields."""
     ndims = {coords.shape[1] for coords, _ in parts}
     if len(ndims) > 1:
         raise PinError(f"save_fault_map: the pins on {name!r} give coordinates of {sorted(ndims)} dimensions")
-    cells, inverse = torch.unique(torch.cat([coords for coords, _ in parts]), dim=0, return_inverse=True)
+    coords = torch.cat([coords for coords, _ in parts])
+    if shape is not None and len(shape) == coords.shape[1] and len(shape) > 1 and bool((coords >= 0).all()):
+        # Row-major flat positions sort as the coordinates do: a 1-D unique, many times faster than unique(dim=0)
+        # on k x ndim rows, with the same cells in the same order.
+        strides = torch.tensor([math.prod(shape[i + 1:]) for i in range(len(shape))], dtype=torch.int64)
+        flat, inverse = torch.unique(coords.long() @ strides, return_inverse=True)
+        cells = torch.stack(torch.unravel_index(flat, shape), dim=1).to(coords.dtype)
+    else:
+        cells, inverse = torch.unique(coords, dim=0, return_inverse=True)
     given: dict[str, list[Tensor]] = {}
     for _, fields in parts:
         for field, tensor in fields.items():
