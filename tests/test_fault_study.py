@@ -520,3 +520,56 @@ def test_a_config_dir_of_the_users_own_groups_composes_every_job(tmp_path, capsy
     missing = study_module.Study(out=str(tmp_path / "never"), config_dir=str(tmp_path / "nowhere"))
     with pytest.raises(study_module.StudyError, match="is not a directory"):
         study_module.run_study(missing)
+
+
+def test_a_job_keeps_what_the_study_reads_and_check_verifies_its_weights(study, capsys):
+    """By default: the summary, the fault map and the pinned weights (no optimizer state, no per-job figure);
+    ``lightning-pin check pins.pt pinned.safetensors`` verifies every pinned element of the kept weights."""
+    from safetensors.torch import load_file
+
+    model, _, _ = baseline_model(study)
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    job = study / "jobs" / "value_rate0.2_seed0"
+    assert {p.name for p in job.iterdir() if p.is_file()} == {
+        "run_summary.json", "fault_map.pt", "pinned.safetensors", "pins.pt", "job.log"}
+    weights = load_file(job / "pinned.safetensors")
+    assert weights.keys() == model.state_dict().keys()
+    assert (job / "pinned.safetensors").stat().st_size < 1.1 * weight_bytes  # no optimizer moments
+    assert cli.main(["check", str(job / "pins.pt"), str(job / "pinned.safetensors")]) == 0
+    assert "hold" in capsys.readouterr().out
+    # A pinned element moved in the file: check finds it.
+    state = torch.load(job / "pins.pt", weights_only=True)
+    name = next(n for n in weights if n.startswith("backbone.features.2.weight"))
+    from safetensors.torch import save_file
+
+    weights[name] = weights[name] + 1.0
+    save_file(weights, str(job.parent / "moved.safetensors"))
+    assert state and cli.main(["check", str(job / "pins.pt"), str(job.parent / "moved.safetensors")]) == 1
+
+
+def test_keep_checkpoints_keeps_pinned_ckpt_and_the_baseline_is_measured_once(study, tmp_path, monkeypatch):
+    from lightning_pin.callbacks.monitor import PinMonitor
+
+    measured = []
+    evaluate = PinMonitor._evaluate
+
+    def counted(self, *args, **kwargs):
+        value = evaluate(self, *args, **kwargs)
+        measured.append(value)
+        return value
+
+    monkeypatch.setattr(PinMonitor, "_evaluate", counted)
+    ckpt = study / "baseline" / "pretrained.ckpt"
+    out = tmp_path / "kept"
+    assert faults("--rates", "0.2", "--seeds", "2", "--keep-checkpoints", "--out", str(out), *TINY,
+                  f"ckpt_path={ckpt}") == 0
+    job = out / "jobs" / "value_rate0.2_seed1"
+    assert (job / "pinned.ckpt").is_file() and not (job / "pinned.safetensors").exists()
+    # One baseline for the two jobs (the first measures it), one forced value each: 3 evaluations, not 4;
+    # and the numbers of the jobs are the fixture's, whichever job measured the baseline.
+    assert len(measured) == 3
+    assert numbers(rows(out)) == numbers(rows(study)[2:])
+    summary = json.loads((job / "run_summary.json").read_text())
+    assert summary["baseline"] == measured[0]
+    # What a job keeps is the study's to set: --keep-checkpoints, not the override.
+    assert faults("--rates", "0.2", "--out", str(tmp_path / "x"), *TINY, "pinned_checkpoint=full") == 2

@@ -959,7 +959,7 @@ class ForcedCampaign:
             seconds = time.perf_counter() - started
             rows.append({
                 "kind": job.kind, "rate": job.rate, "seed": job.seed, "param": job.param, "baseline": self.baseline,
-                "forced": forced, "final": None, "gap": None, "recovered_step": None,
+                "forced": forced, "final": None, "gap": None, "recovered_step": None, "recovered": None,
                 "pinned_elements": patch.elements, "changed_bits": patch.changed_bits, "pins_exact": None,
                 "seconds": round(seconds, 4), "tolerance": self.tolerance, "diverged": None,
                 "recipe": self.recipe, "job_dir": "",

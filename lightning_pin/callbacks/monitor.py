@@ -233,7 +233,8 @@ class PinMonitor:
         if loader is None:
             rank_zero_warn(f"PinMonitor: no validation data (trainer.val_dataloaders), so {self.name} is not tracked")
             return
-        self._baseline = self._evaluate(trainer, module, loader, limit)
+        with _own_random_stream():
+            self._baseline = self._evaluate(trainer, module, loader, limit)
 
     def after_force(self, trainer: pl.Trainer, module: pl.LightningModule, engine: PinEngine) -> None:
         """Measure the forced value (pins set, no training), snapshot the free weights, log."""
@@ -267,7 +268,8 @@ class PinMonitor:
 
     def _measure_forced(self, trainer: pl.Trainer, module: pl.LightningModule, baseline: float) -> dict[str, float]:
         step = trainer.global_step
-        forced = self._evaluate(trainer, module, *self._val_loader(trainer))
+        with _own_random_stream():
+            forced = self._evaluate(trainer, module, *self._val_loader(trainer))
         self.preservation.baseline = baseline
         self.preservation.record(step, forced, forced=True)
         self._tracking = True
@@ -552,6 +554,13 @@ class PinMonitor:
         for key, rows in state.get("history", {}).items():
             self.history[key] = [list(r) for r in rows]
         self.modules = list(state.get("modules", []))
+
+
+def _own_random_stream() -> Any:
+    """torch's CPU generator as it was, after the block: iterating a DataLoader draws its base seed from it, so
+    without this a measurement at train start would shift every later shuffle, and a fit given its ``baseline``
+    would train differently from one that measured it."""
+    return torch.random.fork_rng(devices=[])
 
 
 def default_predict(module: nn.Module, batch: Any) -> tuple[Tensor, Tensor]:

@@ -39,6 +39,7 @@ COLUMNS: tuple[str, ...] = (
     "final",
     "gap",
     "recovered_step",
+    "recovered",
     "pinned_elements",
     "changed_bits",
     "pins_exact",
@@ -83,7 +84,43 @@ def job_row(summary: Mapping[str, Any], job_dir: str = "") -> dict[str, Any]:
     row.update(kind=fault.get("kind"), rate=fault.get("rate"), seed=fault.get("seed"), param=fault.get("params"))
     row["recipe"] = " ".join(summary.get("recipe") or [])
     row["job_dir"] = job_dir or summary.get("output_dir", "")
+    row["recovered"] = ended_recovered(summary)
+    # The first step within the tolerance says when a job recovered, for a job that did: one that came back
+    # (or was within it when forced) and ended outside it has none.
+    row["recovered_step"] = summary.get("recovered_step") if row["recovered"] else None
     return row
+
+
+def ended_recovered(summary: Mapping[str, Any]) -> Optional[bool]:
+    """Whether a retrained job recovered: it ended within the tolerance of the baseline and did not diverge
+    (None: not retrained). The end decides: a job within the tolerance when forced, or at some step, and
+    outside it at the end, did not recover.
+
+    Example::
+
+        >>> ended_recovered({"final": 0.90, "gap": 0.05, "tolerance": 0.01, "recovered_step": 0, "settled_step": None})
+        False
+        >>> ended_recovered({"final": 0.95, "gap": 0.0, "tolerance": 0.01, "recovered_step": 4, "settled_step": 4})
+        True
+    """
+    if summary.get("final") in (None, ""):
+        return None
+    if _true(summary.get("diverged")):
+        return False
+    if "settled_step" in summary:  # the monitor's history: within the tolerance from some step to the end
+        return summary["settled_step"] not in (None, "")
+    gap, tolerance = summary.get("gap"), summary.get("tolerance")
+    if not _finite(gap) or not _finite(tolerance):
+        return False
+    return float(gap) <= float(tolerance)
+
+
+def row_recovered(row: Mapping[str, Any]) -> bool:
+    """A row's ``recovered`` cell (True, or "true" read back), or, in a CSV written before that column, a
+    ``recovered_step`` and no divergence."""
+    if "recovered" in row:
+        return _true(row.get("recovered"))
+    return row.get("recovered_step") not in (None, "") and not _true(row.get("diverged"))
 
 
 def sort_rows(rows: Iterable[Mapping[str, Any]], by: str = "rate") -> list[dict[str, Any]]:
@@ -100,10 +137,8 @@ def aggregate(rows: Sequence[Mapping[str, Any]], by: str = "rate") -> list[dict[
         point: dict[str, Any] = {by: key, "seeds": len(group)}
         for column in ("forced", "final", "gap", "baseline", "changed_bits", "pinned_elements"):
             point[f"{column}_mean"], point[f"{column}_ci"], _ = mean_ci(r.get(column) for r in group)
-        # Back within the tolerance at some step, and not diverged after it: a job that came back and
-        # then collapsed did not recover.
-        point["recovered"] = sum(r.get("recovered_step") not in (None, "") and not _true(r.get("diverged"))
-                                 for r in group)
+        # Ended within the tolerance, not diverged: a job that came back and then left it did not recover.
+        point["recovered"] = sum(row_recovered(r) for r in group)
         point["diverged"] = sum(_true(r.get("diverged")) for r in group)
         point["pins_exact"] = all(r.get("pins_exact") for r in group)
         points.append(point)
