@@ -499,8 +499,9 @@ def test_the_table_is_one_line_per_rate_with_ci_and_says_when_jobs_diverged(caps
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("│")]
     assert len(lines) == 2 and lines[0].split("│")[1].strip() == "0" and lines[1].split("│")[1].strip() == "0.5"
-    # rate 0.5: forced mean 0.3, CI = t(1) * sd / sqrt(2) = 12.706 * 0.1414 / 1.414 = 1.271
-    assert "0.300 ± 1.271" in out and "0/2, 1 diverged" in out
+    # rate 0.5: forced mean 0.3 over 2 seeds: the range, not a t interval (12.706 * 0.1414 / 1.414 = 1.271)
+    assert "0.300 (range 0.200 to 0.400)" in out and "± 1.271" not in out and "0/2, 1 diverged" in out
+    assert "fewer than 3 seeds give no confidence interval" in out
     assert "1 job(s) diverged" in out
 
 

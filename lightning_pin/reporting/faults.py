@@ -84,6 +84,7 @@ def job_row(summary: Mapping[str, Any], job_dir: str = "") -> dict[str, Any]:
     row.update(kind=fault.get("kind"), rate=fault.get("rate"), seed=fault.get("seed"), param=fault.get("params"))
     row["recipe"] = " ".join(summary.get("recipe") or [])
     row["job_dir"] = job_dir or summary.get("output_dir", "")
+    row["metric"] = summary.get("metric")  # not a CSV column: which tables clip their intervals to [0, 1]
     row["recovered"] = ended_recovered(summary)
     # The first step within the tolerance says when a job recovered, for a job that did: one that came back
     # (or was within it when forced) and ended outside it has none.
@@ -136,7 +137,10 @@ def aggregate(rows: Sequence[Mapping[str, Any]], by: str = "rate") -> list[dict[
     for key, group in groups.items():
         point: dict[str, Any] = {by: key, "seeds": len(group)}
         for column in ("forced", "final", "gap", "baseline", "changed_bits", "pinned_elements"):
-            point[f"{column}_mean"], point[f"{column}_ci"], _ = mean_ci(r.get(column) for r in group)
+            values = [float(r[column]) for r in group if _finite(r.get(column))]
+            point[f"{column}_mean"], point[f"{column}_ci"], point[f"{column}_n"] = mean_ci(values)
+            point[f"{column}_min"] = min(values) if values else math.nan
+            point[f"{column}_max"] = max(values) if values else math.nan
         # Ended within the tolerance, not diverged: a job that came back and then left it did not recover.
         point["recovered"] = sum(row_recovered(r) for r in group)
         point["diverged"] = sum(_true(r.get("diverged")) for r in group)
@@ -182,10 +186,58 @@ def _true(value: Any) -> bool:
     return value is True or str(value).lower() == "true"
 
 
-def _pm(mean: float, ci: float) -> str:
-    if math.isnan(mean):
+def spread(point: Mapping[str, Any], column: str, bounded: bool = True, digits: int = 3) -> str:
+    """A column of an :func:`aggregate` point as the tables print it: the mean, then, from
+    :data:`MIN_SEEDS_FOR_CI` seeds on, ``± half-width`` of the 95% interval (Student's t) or, when that interval
+    leaves [0, 1] (``bounded``: an accuracy), the interval clipped to [0, 1] and marked so; with 2 seeds the range
+    over them (a t interval from 2 values is +-12.7 standard errors: no interval a reviewer would read).
+
+    Example::
+
+        >>> rows = [{"rate": 0.1, "forced": f} for f in (0.82, 0.85)]
+        >>> spread(aggregate(rows)[0], "forced")
+        '0.835 (range 0.820 to 0.850)'
+        >>> rows = [{"rate": 0.1, "forced": f} for f in (0.05, 0.3, 0.1)]
+        >>> spread(aggregate(rows)[0], "forced")
+        '0.150 (95% CI 0.000 to 0.479, clipped to [0, 1])'
+    """
+    mean, ci, n = point[f"{column}_mean"], point[f"{column}_ci"], point.get(f"{column}_n", point.get("seeds", 0))
+    if n == 0 or math.isnan(mean):
         return "-"
-    return f"{mean:.3f} ± {ci:.3f}" if ci > 0 else f"{mean:.3f}"
+    if n == 1:
+        return f"{mean:.{digits}f}"
+    if n < MIN_SEEDS_FOR_CI:
+        return f"{mean:.{digits}f} (range {point[f'{column}_min']:.{digits}f} to {point[f'{column}_max']:.{digits}f})"
+    if bounded and (mean - ci < 0.0 or mean + ci > 1.0):
+        low, high, _ = _band(mean, ci)
+        return f"{mean:.{digits}f} (95% CI {low:.{digits}f} to {high:.{digits}f}, clipped to [0, 1])"
+    return f"{mean:.{digits}f} ± {ci:.{digits}f}"
+
+
+def spread_note(points: Sequence[Mapping[str, Any]]) -> str:
+    """What the tables' spreads are, with their n: one line under a table of :func:`spread` cells."""
+    counts = sorted({int(p["seeds"]) for p in points})
+    if not counts:
+        return ""
+    n = f"n = {counts[0]}" if len(counts) == 1 else f"n = {counts[0]} to {counts[-1]} (the seeds column)"
+    if counts[-1] < 2:
+        return f"one seed per row ({n}): no spread"
+    if counts[-1] < MIN_SEEDS_FOR_CI:
+        return (f"mean over {n} seeds, and the range (min to max) over them: fewer than {MIN_SEEDS_FOR_CI} seeds "
+                "give no confidence interval worth printing")
+    note = f"± is the 95% confidence interval of the mean over {n} seeds (Student's t)"
+    if counts[0] < MIN_SEEDS_FOR_CI:
+        note += f"; rows with fewer than {MIN_SEEDS_FOR_CI} seeds give their range (min to max) instead"
+    return note
+
+
+def accuracy_rows(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the rows measure an accuracy (a fraction in [0, 1], whose intervals are clipped there): every
+    baseline, forced and final value lies in [0, 1] and no row names another metric."""
+    if any(r.get("metric") not in (None, "", "accuracy") for r in rows):
+        return False
+    values = [float(r[c]) for r in rows for c in ("baseline", "forced", "final") if _finite(r.get(c))]
+    return all(0.0 <= v <= 1.0 for v in values)
 
 
 def retrained(rows: Sequence[Mapping[str, Any]]) -> bool:
@@ -197,6 +249,7 @@ def print_curve(rows: Sequence[Mapping[str, Any]], title: str, by: str = "rate")
     """One line per rate (or parameter): forced and final, mean ± 95% CI over seeds (forced only, not retrained)."""
     points = aggregate(rows, by)
     full = retrained(rows)
+    bounded = accuracy_rows(rows)
     columns = [
         tables.Column(by, justify="left" if by == "param" else "right"),
         tables.Column("seeds", justify="right"),
@@ -213,24 +266,25 @@ def print_curve(rows: Sequence[Mapping[str, Any]], title: str, by: str = "rate")
         columns.append(tables.Column("changed bits", justify="right", no_wrap=True))
     body = []
     for p in points:
-        line = [str(p[by]) if by == "param" else f"{p[by]:g}", str(p["seeds"]), _pm(p["forced_mean"], p["forced_ci"])]
+        line = [str(p[by]) if by == "param" else f"{float(p[by]):g}", str(p["seeds"]), spread(p, "forced", bounded)]
         if full:
             diverged = f", {p['diverged']} diverged" if p["diverged"] else ""
             line += [
-                _pm(p["final_mean"], p["final_ci"]),
-                _pm(p["gap_mean"], p["gap_ci"]),
+                spread(p, "final", bounded),
+                spread(p, "gap", False),
                 f"{p['recovered']}/{p['seeds']}{diverged}",
                 "yes" if p["pins_exact"] else "NO",
             ]
         else:
             line.append("-" if math.isnan(p["changed_bits_mean"]) else f"{p['changed_bits_mean']:,.0f}")
         body.append(line)
-    baseline = [r.get("baseline") for r in rows if r.get("baseline") is not None]
-    tolerance = next((r.get("tolerance") for r in rows if r.get("tolerance") is not None), None)
+    # Numbers, from the rows in memory or as read back from fault_curve.csv.
+    baseline = [float(r["baseline"]) for r in rows if _finite(r.get("baseline"))]
+    tolerance = next((float(r["tolerance"]) for r in rows if _finite(r.get("tolerance"))), None)
     footer = []
     if baseline:
         footer.append((f"baseline {baseline[0]:.3f}" + ("" if tolerance is None else f", tolerance {tolerance:g}")
-                       + "; ± is the 95% confidence interval over seeds (Student's t)", None))
+                       + f"; {spread_note(points)}", None))
     if not full:
         footer.append(("forced only (no retraining): final, gap and recovered_step are empty in the CSV", None))
     diverged = [r for r in rows if _true(r.get("diverged"))]
