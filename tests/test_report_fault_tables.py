@@ -94,3 +94,64 @@ def test_the_terminal_table_prints_the_range_and_the_clipping(capsys):
     assert "0.150 (95% CI 0.000 to 0.479, clipped to [0, 1])" in out
     assert "0.450 (range 0.400 to 0.500)" in out
     assert "n = 2 to 3 (the seeds column)" in out and not math.isnan(report.aggregate(rows)[0]["forced_ci"])
+
+
+def _saved_figures(monkeypatch):
+    from matplotlib.figure import Figure
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: saved.append(self))
+    return saved
+
+
+def flip_rows(bimodal_at=None, seeds=20):
+    rows = []
+    for rate in (0.0, 1e-4, 1e-3, 1e-2):
+        for s in range(seeds):
+            forced = 0.9 - 30 * rate - 0.001 * (s % 3)
+            if rate == bimodal_at:
+                forced = 0.85 + 0.001 * s if s % 2 else 0.10 + 0.001 * s  # two groups, 0.75 apart
+            rows.append(dict(kind="flip", rate=rate, seed=s, baseline=0.9, tolerance=0.01, forced=forced, final=None))
+    return rows
+
+
+def test_rates_over_decades_are_drawn_on_a_log_axis_with_rate_0_apart(monkeypatch, tmp_path):
+    saved = _saved_figures(monkeypatch)
+    report.plot_curve(flip_rows(), tmp_path / "c.png")
+    ax = saved[-1].axes[0]
+    assert ax.get_xscale() == "log" and "log scale" in ax.get_xlabel()
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels == ["0", "0.01", "0.1", "1"]  # percent of the stored bits: 1e-4 is 0.01%
+    zero, first = ax.get_xticks()[:2]
+    assert 0 < zero < first / 10  # the control sits left of the smallest rate, a decade and more away
+    assert any(t.get_text() == "//" for t in ax.texts)  # the break
+    # The curve does not cross the break: the mean line starts at the smallest rate.
+    curve = next(line for line in ax.get_lines() if str(line.get_label()).endswith(": mean"))
+    assert list(curve.get_xdata()) == [0.01, 0.1, 1.0]
+    # Rates within a decade or so stay on a linear axis.
+    report.plot_curve([dict(r, rate=r["rate"] * 1000 + 0.05 * (r["rate"] > 0)) for r in flip_rows()],
+                      tmp_path / "c.png")
+    assert saved[-1].axes[0].get_xscale() == "linear"
+
+
+def test_bimodal_draws_are_drawn_as_points_with_their_median(monkeypatch, tmp_path, capsys):
+    from matplotlib.collections import PathCollection, PolyCollection
+
+    saved = _saved_figures(monkeypatch)
+    rows = flip_rows(bimodal_at=1e-2)
+    report.plot_curve(rows, tmp_path / "c.png")
+    ax = saved[-1].axes[0]
+    assert not [c for c in ax.collections if isinstance(c, PolyCollection) and "CI" in str(c.get_label())]
+    curve = next(line for line in ax.get_lines() if str(line.get_label()).endswith(": median"))
+    draws = sorted(r["forced"] for r in rows if r["rate"] == 1e-2)
+    assert curve.get_ydata()[-1] == (draws[9] + draws[10]) / 2  # the median of 20 draws, by hand
+    points = sum(len(c.get_offsets()) for c in ax.collections if isinstance(c, PathCollection))
+    assert points == len(rows)  # every draw
+    assert "bimodal draws at 1%" in ax.get_title()
+    report.print_curve(rows, "t")
+    assert "rate 0.01: the forced draws are bimodal" in capsys.readouterr().out
+    # One group of draws: the mean and its band, as before.
+    report.plot_curve(flip_rows(), tmp_path / "c.png")
+    ax = saved[-1].axes[0]
+    assert any(str(line.get_label()).endswith(": mean") for line in ax.get_lines())
+    assert [c for c in ax.collections if isinstance(c, PolyCollection) and "CI" in str(c.get_label())]

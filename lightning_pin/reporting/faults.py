@@ -287,6 +287,14 @@ def print_curve(rows: Sequence[Mapping[str, Any]], title: str, by: str = "rate")
                        + f"; {spread_note(points)}", None))
     if not full:
         footer.append(("forced only (no retraining): final, gap and recovered_step are empty in the CSV", None))
+    for p in points:
+        for column in ("forced", "final") if full else ("forced",):
+            draws = [float(r[column]) for r in rows if r[by] == p[by] and _finite(r.get(column))]
+            if bimodal(draws):
+                where = p[by] if by == "param" else f"rate {float(p[by]):g}"
+                footer.append((f"{where}: the {column} draws are bimodal (median {statistics.median(draws):.3f}, "
+                               f"from {min(draws):.3f} to {max(draws):.3f}): the mean sits between the modes; the "
+                               "figure shows every draw and the median", "yellow"))
     diverged = [r for r in rows if _true(r.get("diverged"))]
     if diverged:
         used = {_optimizer(r.get("recipe")) for r in diverged}
@@ -315,17 +323,59 @@ def _band(mean: float, ci: float) -> tuple[float, float, bool]:
     return max(0.0, low), min(1.0, high), low < 0.0 or high > 1.0
 
 
+def log_rates(rates: Iterable[float]) -> bool:
+    """Whether fault rates spread over decades (the largest at least 100 times the smallest above 0): a log axis.
+
+    Example::
+
+        >>> log_rates([0, 1e-4, 1e-3, 1e-2]), log_rates([0, 0.05, 0.1, 0.2])
+        (True, False)
+    """
+    positive = [float(r) for r in rates if float(r) > 0]
+    return len(positive) >= 2 and max(positive) >= 100 * min(positive)
+
+
+def bimodal(values: Iterable[Any], min_gap: float = 0.05) -> bool:
+    """Whether a set of draws falls into two separate groups: the widest gap between the sorted values is at least
+    ``min_gap`` (in the metric's units: 5 accuracy points), half their range, and three times the spread within
+    either group, and each group holds at least 2 draws and a tenth of them. Such a set is shown as its points and
+    its median: its mean sits between the modes, where no draw is.
+
+    Example::
+
+        >>> bimodal([0.1, 0.12, 0.11, 0.9, 0.92, 0.91]), bimodal([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+        (True, False)
+        >>> bimodal([0.898, 0.899, 0.9] * 3)  # a few accuracy levels a batch apart: one group
+        False
+    """
+    v = sorted(float(x) for x in values if _finite(x))
+    if len(v) < 6 or v[-1] - v[0] <= 0:
+        return False
+    gap, at = max((v[i + 1] - v[i], i) for i in range(len(v) - 1))
+    low, high = v[: at + 1], v[at + 1:]
+    within = max(low[-1] - low[0], high[-1] - high[0])
+    return (gap >= min_gap and gap >= 0.5 * (v[-1] - v[0]) and gap >= 3 * within
+            and min(len(low), len(high)) >= max(2, 0.1 * len(v)))
+
+
 def plot_curve(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Optional[Path]:
     """Forced (and final) accuracy against the fault rate: every seed's point, the mean over seeds, a 95% CI band
-    from 3 seeds on (clipped to [0, 1], and the legend says so), the baseline and its tolerance."""
+    from 3 seeds on (clipped to [0, 1], and the legend says so), the baseline and its tolerance.
+
+    Rates that spread over decades (:func:`log_rates`: ``--rates 0,1e-4,1e-3,1e-2``) are drawn on a log axis, rate
+    0 apart at its own tick left of a break. A series whose draws are :func:`bimodal` at some rate is drawn as its
+    points and their median, with no mean or t band."""
+    import random
+    import statistics as stats
+
     Figure = _figure()
     if Figure is None:
         return None
     points = aggregate(rows, "rate")
     fig = Figure(figsize=(6.4, 5.0), dpi=120)
     ax = fig.subplots()
-    baseline = next((r["baseline"] for r in rows if r.get("baseline") is not None), None)
-    tolerance = next((r["tolerance"] for r in rows if r.get("tolerance") is not None), None)
+    baseline = next((float(r["baseline"]) for r in rows if _finite(r.get("baseline"))), None)
+    tolerance = next((float(r["tolerance"]) for r in rows if _finite(r.get("tolerance"))), None)
     if baseline is not None:
         if tolerance:
             ax.axhspan(baseline - tolerance, baseline, color="tab:green", alpha=0.12, lw=0,
@@ -334,31 +384,61 @@ def plot_curve(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -
     series = [("forced", "tab:red", "forced (faults in, no retraining)")]
     if retrained(rows):
         series.append(("final", "tab:blue", "final (retrained around the faults)"))
-    clipped_any = False
+    logx = log_rates(p["rate"] for p in points)
+    positive = [100 * float(p["rate"]) for p in points if float(p["rate"]) > 0]
+    # On a log axis rate 0 has no place: it is drawn a decade and a half left of the smallest rate, apart.
+    zero_x = min(positive) / 10 ** 1.5 if logx else 0.0
+
+    def x_of(rate: Any) -> float:
+        return 100 * float(rate) if not logx or float(rate) > 0 else zero_x
+
+    jitter = random.Random(0)
+    clipped_any, bimodal_rates = False, set()
     for column, color, label in series:
         ok = [p for p in points if not math.isnan(p[f"{column}_mean"])]
-        rates = [100 * p["rate"] for p in ok]
-        ax.plot(rates, [p[f"{column}_mean"] for p in ok], marker="o", color=color, label=f"{label}: mean")
-        seeds_x = [100 * float(r["rate"]) for r in rows if _finite(r.get(column))]
-        seeds_y = [float(r[column]) for r in rows if _finite(r.get(column))]
-        ax.scatter(seeds_x, seeds_y, s=14, facecolors="none", edgecolors=color, alpha=0.8, lw=0.8, zorder=3,
-                   label=f"{label.split(' (')[0]}: each seed")
-        banded = [p for p in ok if p["seeds"] >= MIN_SEEDS_FOR_CI and not math.isnan(p[f"{column}_ci"])]
+        draws = {p["rate"]: [float(r[column]) for r in rows if r["rate"] == p["rate"] and _finite(r.get(column))]
+                 for p in ok}
+        split = {rate for rate, values in draws.items() if bimodal(values)}
+        bimodal_rates |= split
+        centre = (lambda p: stats.median(draws[p["rate"]])) if split else (lambda p: p[f"{column}_mean"])
+        what = "median" if split else "mean"
+        apart = [p for p in ok if logx and float(p["rate"]) == 0]
+        joined = [p for p in ok if p not in apart]
+        ax.plot([x_of(p["rate"]) for p in joined], [centre(p) for p in joined], marker="D" if split else "o",
+                color=color, label=f"{label}: {what}")
+        if apart:  # the control, not joined to the curve across the break
+            ax.plot([zero_x], [centre(apart[0])], marker="D" if split else "o", color=color, ls="none")
+        many = max((len(v) for v in draws.values()), default=0) > 10
+        xs, ys = [], []
+        for rate, values in draws.items():
+            for value in values:
+                spread_x = (10 ** jitter.uniform(-0.05, 0.05)) if logx else 1.0
+                xs.append(x_of(rate) * spread_x if many else x_of(rate))
+                ys.append(value)
+        ax.scatter(xs, ys, s=10 if many else 14, facecolors="none", edgecolors=color, alpha=0.45 if many else 0.8,
+                   lw=0.8, zorder=3, label=f"{label.split(' (')[0]}: each " + ("draw" if many else "seed"))
+        banded = [p for p in joined if not split and p["seeds"] >= MIN_SEEDS_FOR_CI
+                  and not math.isnan(p[f"{column}_ci"])]
         if banded:
             bands = [_band(p[f"{column}_mean"], p[f"{column}_ci"]) for p in banded]
             clipped = any(c for _, _, c in bands)
             clipped_any |= clipped
-            ax.fill_between([100 * p["rate"] for p in banded], [b[0] for b in bands], [b[1] for b in bands],
+            ax.fill_between([x_of(p["rate"]) for p in banded], [b[0] for b in bands], [b[1] for b in bands],
                             color=color, alpha=0.15, lw=0,
                             label="95% CI (Student's t)" + (", clipped to [0, 1]" if clipped else ""))
     kind = next((r.get("kind") for r in rows if r.get("kind")), "")
     seeds = sorted({p["seeds"] for p in points})
-    ax.set_xlabel(_rate_label(kind))
+    ax.set_xlabel(_rate_label(kind) + (", log scale" if logx else ""))
     ax.set_ylabel("validation accuracy")
     ax.set_ylim(0.0, 1.02)
+    if logx:
+        _log_axis(ax, zero_x, min(positive), max(positive), any(float(p["rate"]) == 0 for p in points))
     count = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
     note = (f"no confidence band with fewer than {MIN_SEEDS_FOR_CI} seeds" if seeds and seeds[0] < MIN_SEEDS_FOR_CI
             else "band: 95% CI of the mean" + (", clipped to [0, 1]" if clipped_any else ""))
+    if bimodal_rates:
+        where = ", ".join(f"{100 * float(r):g}%" for r in sorted(bimodal_rates, key=float))
+        note = f"bimodal draws at {where}: median and every draw, no mean ± CI"
     what = "Accuracy against fault rate" if retrained(rows) else "Forced accuracy (no retraining) against fault rate"
     ax.set_title(title or f"{what}: {count} seed(s) per rate\n({note})", fontsize=10)
     ax.grid(alpha=0.3)
@@ -366,6 +446,27 @@ def plot_curve(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -
     fig.tight_layout()
     fig.savefig(path)
     return path
+
+
+def _log_axis(ax: Any, zero_x: float, low: float, high: float, has_zero: bool) -> None:
+    """A log x axis (in %) with one tick per decade, and rate 0 at ``zero_x``, its own tick left of a break."""
+    from matplotlib.ticker import NullFormatter, NullLocator
+    from matplotlib.transforms import blended_transform_factory
+
+    ax.set_xscale("log")
+    first, last = math.floor(math.log10(low) + 1e-9), math.ceil(math.log10(high) - 1e-9)
+    decades = [10.0 ** e for e in range(first, last + 1)]
+    ticks = ([zero_x] if has_zero else []) + decades
+    ax.set_xticks(ticks, (["0"] if has_zero else []) + [f"{d:g}" for d in decades])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlim((zero_x if has_zero else low) / 10 ** 0.4, high * 10 ** 0.4)
+    if has_zero:
+        cut = math.sqrt(zero_x * low)  # halfway between the control and the first rate, in log space
+        ax.axvline(cut, color="0.5", lw=0.8, ls=":")
+        ax.text(cut, 0.0, "//", transform=blended_transform_factory(ax.transData, ax.transAxes), ha="center",
+                va="center", fontsize=11, color="0.3", bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5},
+                clip_on=False, zorder=5)
 
 
 def _finite(value: Any) -> bool:
