@@ -139,3 +139,27 @@ def test_max_steps_bounds_an_open_ended_epoch_count(tmp_path):
                         "trainer.limit_train_batches=3", "trainer.limit_val_batches=2")
     summary = run(cfg)
     assert summary["steps"] == 2 and summary["pins_exact"] is True
+
+
+def test_pinned_checkpoint_weights_keeps_the_weights_and_the_pin_state_that_check_reads(tmp_path):
+    from safetensors.torch import load_file
+
+    from lightning_pin.app.train import PIN_STATE, PINNED_WEIGHTS
+    from lightning_pin.reporting.check import check_artifacts
+
+    cfg = compose_train(tmp_path, "pinned_checkpoint=weights", *SHORT, "callbacks.pin_callback.monitor.report=false")
+    summary = run(cfg)
+    assert not (tmp_path / PINNED_CKPT).exists()
+    assert {PINNED_WEIGHTS, PIN_STATE} <= set(summary["files"])
+    weights = load_file(tmp_path / PINNED_WEIGHTS)
+    assert summary["pinned_elements"] > 0 and "backbone.features.0.weight" in weights
+    result = check_artifacts(tmp_path / PIN_STATE, [tmp_path / PINNED_WEIGHTS])
+    result.verify()  # every pinned element of the kept weights is on its target, bit for bit
+    assert result.holds
+
+
+def test_an_unknown_pinned_checkpoint_is_refused_before_anything_runs(tmp_path):
+    cfg = compose_train(tmp_path, "pinned_checkpoint=optimizer", *SHORT)
+    with pytest.raises(ValueError, match=r"pinned_checkpoint='optimizer' is not one of \['full', 'weights'\]"):
+        run(cfg)
+    assert list(tmp_path.iterdir()) == []

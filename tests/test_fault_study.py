@@ -413,7 +413,7 @@ def test_the_curve_draws_every_seed_and_no_band_below_three_seeds(monkeypatch, t
     report.plot_curve(_curve_rows(3, forced=lambda r, s: [0.05, 0.95, 0.5][s]), tmp_path / "c.png")
     ax = saved[-1].axes[0]
     labels = [str(c.get_label()) for c in ax.collections if isinstance(c, PolyCollection)]
-    assert "95% CI (Student's t), clipped to [0, 1]" in labels
+    assert "95% CI of the mean (Student's t, n = 3), clipped to [0, 1]" in labels
     assert "clipped to [0, 1]" in ax.get_title()
     ys = [v[1] for c in ax.collections if isinstance(c, PolyCollection) for p in c.get_paths() for v in p.vertices]
     assert 0.0 <= min(ys) and max(ys) <= 1.0

@@ -425,7 +425,8 @@ def plot_curve(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -
             clipped_any |= clipped
             ax.fill_between([x_of(p["rate"]) for p in banded], [b[0] for b in bands], [b[1] for b in bands],
                             color=color, alpha=0.15, lw=0,
-                            label="95% CI (Student's t)" + (", clipped to [0, 1]" if clipped else ""))
+                            label=f"95% CI of the mean (Student's t, n = {_counts(banded)})"
+                            + (", clipped to [0, 1]" if clipped else ""))
     kind = next((r.get("kind") for r in rows if r.get("kind")), "")
     seeds = sorted({p["seeds"] for p in points})
     ax.set_xlabel(_rate_label(kind) + (", log scale" if logx else ""))
@@ -446,6 +447,11 @@ def plot_curve(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -
     fig.tight_layout()
     fig.savefig(path)
     return path
+
+
+def _counts(points: Sequence[Mapping[str, Any]]) -> str:
+    counts = sorted({int(p["seeds"]) for p in points})
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
 
 
 def _log_axis(ax: Any, zero_x: float, low: float, high: float, has_zero: bool) -> None:
