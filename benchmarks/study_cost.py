@@ -178,37 +178,48 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
 
 
 def figure(result: dict[str, Any], path: Path) -> None:
-    """Two panels: time per job against the plain fit, round by round; bytes kept per job against the weights."""
+    """Two panels: time per job over the plain fit's, round by round (wall and CPU time), and the bytes each job
+    keeps over the bytes of the weights, by file."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8.0, 3.2), dpi=120)
-    left, right = fig.subplots(1, 2)
+    fig = Figure(figsize=(8.4, 3.6), dpi=120)
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.3]})
     rounds = result["rounds"]
-    xs = range(1, len(rounds) + 1)
-    left.bar([x - 0.2 for x in xs], [r["plain"] for r in rounds], 0.4, color="0.6", label="plain Trainer.fit")
-    left.bar([x + 0.2 for x in xs], [r["per_job"] for r in rounds], 0.4, color="tab:blue",
-             label="study, per job (all included)")
-    for x, r in zip(xs, rounds):
-        left.text(x + 0.2, r["per_job"], f"{r['ratio']:.2f}x", ha="center", va="bottom", fontsize=8)
-    left.set_xticks(list(xs), [f"round {x}" for x in xs])
-    left.set_ylabel("seconds")
-    left.set_title(f"time: {rounds[0]['steps']} steps, same process", fontsize=9)
-    left.legend(fontsize=7, loc="lower center")
+    xs = list(range(1, len(rounds) + 1))
+    for shift, key, color, label in ((-0.18, "ratio", "tab:blue", "wall time"), (0.18, "cpu_ratio", "tab:cyan",
+                                                                                   "CPU time of the process")):
+        values = [r[key] for r in rounds]
+        left.bar([x + shift for x in xs], values, 0.36, color=color, label=label)
+        for x, v in zip(xs, values):
+            left.text(x + shift, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    left.axhline(1.0, color="black", lw=0.8)
+    left.axhline(1.5, color="tab:red", ls="--", lw=1, label="goal: 1.5x")
+    left.set_xticks(xs, [f"round {x}" for x in xs], fontsize=8)
+    left.set_ylim(0, max(2.0, max(r["ratio"] for r in rounds) * 1.15))
+    left.set_ylabel("a study's time per job / a plain fit's")
+    median = statistics.median(r["ratio"] for r in rounds)
+    left.set_title(f"time: median {median:.2f}x a plain Trainer.fit\n({rounds[0]['steps']} steps, one process)",
+                   fontsize=9)
+    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, frameon=False)
     names = list(result["kept"])
-    weights = result["weights"] / 1e6
     groups = {"pinned.safetensors": "tab:blue", "fault_map.pt": "tab:red", "pins.pt": "tab:orange"}
     bottom = [0.0] * len(names)
     for file, color in [*groups.items(), ("other", "0.6")]:
         sizes = [sum(s for f, s in result["kept"][n].items() if (f == file if file != "other" else f not in groups))
-                 / 1e6 for n in names]
-        right.bar(range(len(names)), sizes, bottom=bottom, color=color, label=file)
+                 / result["weights"] for n in names]
+        right.bar(range(len(names)), sizes, 0.6, bottom=bottom, color=color,
+                  label=file if file != "other" else "the rest (summary, log, metrics)")
         bottom = [b + s for b, s in zip(bottom, sizes)]
-    right.axhline(weights, color="black", ls="--", lw=1, label=f"the weights ({weights:.1f} MB)")
-    right.axhline(1.1 * weights, color="black", ls=":", lw=1, label="1.1x the weights")
-    right.set_xticks(range(len(names)), [n.replace("_seed", "\nseed") for n in names], fontsize=7)
-    right.set_ylabel("MB kept per job")
-    right.set_title("bytes a job keeps", fontsize=9)
-    right.legend(fontsize=6.5, loc="lower right")
+    for x, total in enumerate(bottom):
+        right.text(x, total, f"{total:.3f}", ha="center", va="bottom", fontsize=7)
+    right.axhline(1.1, color="tab:red", ls="--", lw=1, label="goal: 1.1x")
+    labels = [n.split("_rate")[1].replace("_seed", "\nseed ") for n in names]
+    right.set_xticks(range(len(names)), [f"rate {label}" for label in labels], fontsize=7)
+    right.set_ylim(0, 1.3)
+    right.set_ylabel("bytes a job keeps / bytes of the weights")
+    right.set_title(f"bytes: weights {result['weights'] / 1e6:.1f} MB, {result['parameters']:,} parameters",
+                    fontsize=9)
+    right.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     fig.tight_layout()
     fig.savefig(path)
 
