@@ -234,7 +234,7 @@ def main(argv: Sequence[str] = ()) -> int:
     torch.set_num_threads(1)
     args.widths, args.kind, args.rates, args.seeds = (32, 64, 128, 256), "value", [0.001, 0.01], 2
     args.data = ["data=fake_images", "data.shape=[3,32,32]", "data.num_samples=2048"]
-    args.batch, args.epochs, args.train_batches, args.val_batches = 32, 2, 8, 4
+    args.batch, args.epochs, args.train_batches, args.val_batches = 32, 2, 16, 2
     if args.smoke:
         args.widths, args.rounds, args.train_batches, args.val_batches = (4, 8), 1, 2, 1
         args.data = ["data=fake_images", "data.shape=[3,8,8]", "data.num_samples=128"]
