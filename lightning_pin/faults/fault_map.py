@@ -52,7 +52,8 @@ def save_fault_map(
     same parameter are merged: stuck bits are OR-ed, bounds intersected; two different values for
     one element are an error. The file is a flat dict of tensors (``.pt`` / ``.pth`` via
     ``torch.save``, or ``.safetensors``), per parameter ``name:indices`` (``k x ndim`` integer
-    coordinates: int16, int32 or int64, the smallest that holds the parameter's sizes when its shape is known) and one entry per element for each field present: ``name:value`` (NaN: no stuck
+    coordinates: int16, int32 or int64, the smallest that holds the parameter's sizes when its shape
+    is known) and one entry per element for each field present: ``name:value`` (NaN: no stuck
     value), ``name:stuck_at_zero`` / ``name:stuck_at_one`` (int64 bit patterns, 0: no stuck bit),
     ``name:low`` / ``name:high`` (float64, -inf / +inf: no bound), and ``name:shape`` (the
     parameter's shape, int64) where it is known: always with ``module``; without, from a ``mask``,
