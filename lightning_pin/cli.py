@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "on the trained model quantized by torchao, its faults in the stored int8 codes "
                         "(needs pip install 'lightning-pin[deploy]')")
     faults.add_argument("--out", help="the study's directory (default: outputs/faults/<date>/<time>)")
+    faults.add_argument("--keep-checkpoints", action="store_true",
+                        help="keep each job's full pinned.ckpt (optimizer state included); by default a job keeps "
+                        "its summary, its fault map and its pinned weights (pinned.safetensors and pins.pt)")
     faults.add_argument("--config-dir", metavar="DIR", help="a config directory of your own (DIR/model/NAME.yaml, "
                         "DIR/data/NAME.yaml): model=NAME data=NAME then choose from it")
     faults.add_argument("overrides", nargs="*", help="Hydra overrides for every job (recovery=distill, optimizer=sgd)")
@@ -307,7 +310,8 @@ def _faults(args: argparse.Namespace, extra: Sequence[str]) -> int:
         study = Study(kind=args.kind, rates=parse_rates(args.rates), seeds=args.seeds, per_layer=args.per_layer,
                       layer_rate=args.layer_rate, jobs=args.jobs, out=args.out, no_retrain=args.no_retrain,
                       launcher=args.launcher, overrides=(*args.overrides, *extra, *_code_bits(args)),
-                      config_dir=_config_dir(args.config_dir), deploy=args.deploy)
+                      config_dir=_config_dir(args.config_dir), deploy=args.deploy,
+                      keep_checkpoints=args.keep_checkpoints)
         status = run_study(study)
     except StudyError as err:
         return _fail("faults", str(err))

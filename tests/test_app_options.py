@@ -28,9 +28,11 @@ SHORT = [
 # Options the table names that run elsewhere: a GPU needs a GPU, ddp_sim spawns two processes and
 # Optuna is a sweeper (tests/test_train_app.py runs both through the real command).
 # experiment=continual trains tasks in sequence and has a summary of its own (tests/test_tasks_app.py).
-# Your own model and data (custom) and the torchvision recipes run in tests/test_custom_model.py.
+# Your own model and data (custom) and the torchvision recipes run in tests/test_custom_model.py; the fake
+# data sets are shaped for real networks, not the digits CNN (tests/test_fake_data.py runs them).
 ELSEWHERE = {("trainer", "gpu"), ("trainer", "ddp_sim"), ("hparams_search", "optuna"), ("experiment", "continual"),
-             ("model", "custom"), ("data", "custom"), ("model", "torchvision"), ("data", "cifar10")}
+             ("model", "custom"), ("data", "custom"), ("model", "torchvision"), ("data", "cifar10"),
+             ("data", "fake_images"), ("data", "fake_text")}
 # Building blocks, not options: the base the trainer options extend, and the callbacks that the
 # callbacks options combine (one more is added as the table says: 'callbacks=[default,early_stopping]').
 BLOCKS = {
@@ -139,3 +141,27 @@ def test_max_steps_bounds_an_open_ended_epoch_count(tmp_path):
                         "trainer.limit_train_batches=3", "trainer.limit_val_batches=2")
     summary = run(cfg)
     assert summary["steps"] == 2 and summary["pins_exact"] is True
+
+
+def test_pinned_checkpoint_weights_keeps_the_weights_and_the_pin_state_that_check_reads(tmp_path):
+    from safetensors.torch import load_file
+
+    from lightning_pin.app.train import PIN_STATE, PINNED_WEIGHTS
+    from lightning_pin.reporting.check import check_artifacts
+
+    cfg = compose_train(tmp_path, "pinned_checkpoint=weights", *SHORT, "callbacks.pin_callback.monitor.report=false")
+    summary = run(cfg)
+    assert not (tmp_path / PINNED_CKPT).exists()
+    assert {PINNED_WEIGHTS, PIN_STATE} <= set(summary["files"])
+    weights = load_file(tmp_path / PINNED_WEIGHTS)
+    assert summary["pinned_elements"] > 0 and "backbone.features.0.weight" in weights
+    result = check_artifacts(tmp_path / PIN_STATE, [tmp_path / PINNED_WEIGHTS])
+    result.verify()  # every pinned element of the kept weights is on its target, bit for bit
+    assert result.holds
+
+
+def test_an_unknown_pinned_checkpoint_is_refused_before_anything_runs(tmp_path):
+    cfg = compose_train(tmp_path, "pinned_checkpoint=optimizer", *SHORT)
+    with pytest.raises(ValueError, match=r"pinned_checkpoint='optimizer' is not one of \['full', 'weights'\]"):
+        run(cfg)
+    assert list(tmp_path.iterdir()) == []

@@ -393,3 +393,18 @@ def test_a_recorded_shape_lists_each_element_once(tmp_path):
     torch.save(raw, tmp_path / "m.pt")
     with pytest.raises(PinError, match=r"lists element \(0, 5\) of '2.weight' twice"):
         load_fault_map(tmp_path / "m.pt")
+
+
+def test_saved_coordinates_are_the_smallest_integers_that_hold_the_shape(tmp_path):
+    """A conv weight's 4 coordinates in 8 bytes (int16), a wide layer's in int32; they load as before."""
+    from lightning_pin.faults import cell_faults, load_fault_map, save_fault_map
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Linear(40_000, 2))
+    pins = cell_faults(net, "*.weight", rate=0.01, seed=0)
+    path = save_fault_map(pins, tmp_path / "map.pt", module=net)
+    saved = torch.load(path, weights_only=True)
+    assert saved["0.weight:indices"].dtype == torch.int16 and saved["1.weight:indices"].dtype == torch.int32
+    loaded = {p.params: p for p in load_fault_map(path)}
+    for pin in pins:
+        name = pin.params if isinstance(pin.params, str) else pin.params[0]
+        assert torch.equal(loaded[name].mask.nonzero(), pin.indices) and torch.equal(loaded[name].value, pin.value)

@@ -413,7 +413,7 @@ def test_the_curve_draws_every_seed_and_no_band_below_three_seeds(monkeypatch, t
     report.plot_curve(_curve_rows(3, forced=lambda r, s: [0.05, 0.95, 0.5][s]), tmp_path / "c.png")
     ax = saved[-1].axes[0]
     labels = [str(c.get_label()) for c in ax.collections if isinstance(c, PolyCollection)]
-    assert "95% CI (Student's t), clipped to [0, 1]" in labels
+    assert "95% CI of the mean (Student's t, n = 3), clipped to [0, 1]" in labels
     assert "clipped to [0, 1]" in ax.get_title()
     ys = [v[1] for c in ax.collections if isinstance(c, PolyCollection) for p in c.get_paths() for v in p.vertices]
     assert 0.0 <= min(ys) and max(ys) <= 1.0
@@ -499,8 +499,9 @@ def test_the_table_is_one_line_per_rate_with_ci_and_says_when_jobs_diverged(caps
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("│")]
     assert len(lines) == 2 and lines[0].split("│")[1].strip() == "0" and lines[1].split("│")[1].strip() == "0.5"
-    # rate 0.5: forced mean 0.3, CI = t(1) * sd / sqrt(2) = 12.706 * 0.1414 / 1.414 = 1.271
-    assert "0.300 ± 1.271" in out and "0/2, 1 diverged" in out
+    # rate 0.5: forced mean 0.3 over 2 seeds: the range, not a t interval (12.706 * 0.1414 / 1.414 = 1.271)
+    assert "0.300 (range 0.200 to 0.400)" in out and "± 1.271" not in out and "0/2, 1 diverged" in out
+    assert "fewer than 3 seeds give no confidence interval" in out
     assert "1 job(s) diverged" in out
 
 
@@ -520,3 +521,56 @@ def test_a_config_dir_of_the_users_own_groups_composes_every_job(tmp_path, capsy
     missing = study_module.Study(out=str(tmp_path / "never"), config_dir=str(tmp_path / "nowhere"))
     with pytest.raises(study_module.StudyError, match="is not a directory"):
         study_module.run_study(missing)
+
+
+def test_a_job_keeps_what_the_study_reads_and_check_verifies_its_weights(study, capsys):
+    """By default: the summary, the fault map and the pinned weights (no optimizer state, no per-job figure);
+    ``lightning-pin check pins.pt pinned.safetensors`` verifies every pinned element of the kept weights."""
+    from safetensors.torch import load_file
+
+    model, _, _ = baseline_model(study)
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    job = study / "jobs" / "value_rate0.2_seed0"
+    assert {p.name for p in job.iterdir() if p.is_file()} == {
+        "run_summary.json", "fault_map.pt", "pinned.safetensors", "pins.pt", "job.log"}
+    weights = load_file(job / "pinned.safetensors")
+    assert weights.keys() == model.state_dict().keys()
+    assert (job / "pinned.safetensors").stat().st_size < 1.1 * weight_bytes  # no optimizer moments
+    assert cli.main(["check", str(job / "pins.pt"), str(job / "pinned.safetensors")]) == 0
+    assert "hold" in capsys.readouterr().out
+    # A pinned element moved in the file: check finds it.
+    state = torch.load(job / "pins.pt", weights_only=True)
+    name = next(n for n in weights if n.startswith("backbone.features.2.weight"))
+    from safetensors.torch import save_file
+
+    weights[name] = weights[name] + 1.0
+    save_file(weights, str(job.parent / "moved.safetensors"))
+    assert state and cli.main(["check", str(job / "pins.pt"), str(job.parent / "moved.safetensors")]) == 1
+
+
+def test_keep_checkpoints_keeps_pinned_ckpt_and_the_baseline_is_measured_once(study, tmp_path, monkeypatch):
+    from lightning_pin.callbacks.monitor import PinMonitor
+
+    measured = []
+    evaluate = PinMonitor._evaluate
+
+    def counted(self, *args, **kwargs):
+        value = evaluate(self, *args, **kwargs)
+        measured.append(value)
+        return value
+
+    monkeypatch.setattr(PinMonitor, "_evaluate", counted)
+    ckpt = study / "baseline" / "pretrained.ckpt"
+    out = tmp_path / "kept"
+    assert faults("--rates", "0.2", "--seeds", "2", "--keep-checkpoints", "--out", str(out), *TINY,
+                  f"ckpt_path={ckpt}") == 0
+    job = out / "jobs" / "value_rate0.2_seed1"
+    assert (job / "pinned.ckpt").is_file() and not (job / "pinned.safetensors").exists()
+    # One baseline for the two jobs (the first measures it), one forced value each: 3 evaluations, not 4;
+    # and the numbers of the jobs are the fixture's, whichever job measured the baseline.
+    assert len(measured) == 3
+    assert numbers(rows(out)) == numbers(rows(study)[2:])
+    summary = json.loads((job / "run_summary.json").read_text())
+    assert summary["baseline"] == measured[0]
+    # What a job keeps is the study's to set: --keep-checkpoints, not the override.
+    assert faults("--rates", "0.2", "--out", str(tmp_path / "x"), *TINY, "pinned_checkpoint=full") == 2

@@ -82,6 +82,9 @@ class Study:
     config_dir: Optional[str] = None
     #: ``"torchao-int8"``: the test-time campaign runs on the trained model quantized by torchao (its int8 codes).
     deploy: Optional[str] = None
+    #: Keep each job's full ``pinned.ckpt`` (optimizer state included); by default a job keeps what the study
+    #: reads: its summary, its fault map and its pinned weights (``pinned.safetensors`` with the pin state).
+    keep_checkpoints: bool = False
 
     def __post_init__(self) -> None:
         # ``hydra/launcher=NAME`` among the overrides asks for a launcher, as --launcher does.
@@ -125,7 +128,8 @@ class Study:
             raise StudyError(f"{what} measures every draw in this process: drop --launcher {self.launcher}")
         taken = [o for o in self.overrides if o.split("=", 1)[0].lstrip("+~") in _STUDY_KEYS]
         if taken:
-            raise StudyError(f"{taken[0]!r} is set by the study itself: use --kind, --rates, --seeds or --out")
+            raise StudyError(f"{taken[0]!r} is set by the study itself: use --kind, --rates, --seeds, --out or "
+                         "--keep-checkpoints")
         if any(o.startswith("-") for o in self.overrides):
             raise StudyError(f"unknown option {next(o for o in self.overrides if o.startswith('-'))!r}")
         if self.deploy is not None:
@@ -159,7 +163,8 @@ def _check_deploy(study: Study) -> None:
 
 #: Keys the study sets on every job; an override of one of them would break the grid.
 _STUDY_KEYS = ("pin", "pin.kind", "pin.rate", "pin.seed", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.run.dir",
-               "skip_finished", "pretrain.only", "hydra.mode")
+               "skip_finished", "pretrain.only", "hydra.mode", "pinned_checkpoint",
+               "callbacks.pin_callback.monitor.baseline")
 
 
 def parse_rates(text: str) -> tuple[float, ...]:
@@ -410,12 +415,16 @@ def _compose(study: Study, overrides: Sequence[str], output_dir: Path) -> Any:
     return cfg
 
 
-def _job_config(template: Any, job: Job, ckpt: str, output_dir: Path) -> Any:
-    """The template with this job's fault, baseline and directory (what composing each job's overrides gives)."""
+def _job_config(template: Any, job: Job, ckpt: str, output_dir: Path, keep_checkpoints: bool = False,
+                baseline: Optional[float] = None) -> Any:
+    """The template with this job's fault, baseline and directory (what composing each job's overrides gives),
+    and what a study job keeps (:func:`_job_outputs`)."""
     from omegaconf import open_dict
 
     cfg = copy.deepcopy(template)
     with open_dict(cfg):
+        for key, value in _job_outputs(template, keep_checkpoints, baseline).items():
+            _set(cfg, key, value)
         cfg.pin.kind = "bit" if job.kind == "flip" else job.kind
         cfg.pin.rate = float(job.rate)
         cfg.pin.seed = int(job.seed)
@@ -425,6 +434,34 @@ def _job_config(template: Any, job: Job, ckpt: str, output_dir: Path) -> Any:
         cfg.skip_finished = True
         cfg.paths.output_dir = str(output_dir.resolve())
     return cfg
+
+
+def _job_outputs(template: Any, keep_checkpoints: bool, baseline: Optional[float]) -> dict[str, Any]:
+    """What a study job needs beyond the template: the pinned weights without optimizer state (unless
+    ``--keep-checkpoints``), no per-job report files (the study draws its figure once, from the summaries), no
+    sanity validation (the baseline's pretraining or the first job ran the same loader), and the baseline when a
+    job of the study measured it already (the same model on the same data: measured once)."""
+    outputs: dict[str, Any] = {"pinned_checkpoint": "full" if keep_checkpoints else "weights"}
+    if template.trainer.get("num_sanity_val_steps") is None:
+        outputs["trainer.num_sanity_val_steps"] = 0
+    monitor = (template.get("callbacks") or {}).get("pin_callback", {}).get("monitor")
+    if monitor is not None and hasattr(monitor, "get"):
+        outputs["callbacks.pin_callback.monitor.report"] = False
+        if baseline is not None and _shares_baseline(template):
+            outputs["callbacks.pin_callback.monitor.baseline"] = float(baseline)
+    return outputs
+
+
+def _shares_baseline(template: Any) -> bool:
+    """Whether every job measures the same baseline: not when integer codes are quantized per job (the faults
+    choose which parameters the forward reads as codes, before the baseline is measured)."""
+    return template.pin.get("code_bits") is None
+
+
+def _set(cfg: Any, key: str, value: Any) -> None:
+    from omegaconf import OmegaConf
+
+    OmegaConf.update(cfg, key, value, force_add=True)
 
 
 def _claim(out: Path, study: Study) -> None:
@@ -568,25 +605,47 @@ def _run_jobs(study: Study, template: Any, ckpt: str, sweep_dir: Path, jobs: Seq
     if not todo:
         return False
     eta = _Eta(what, len(jobs), skipped, study.jobs)
+    baseline = _measured_baseline(sweep_dir.parent, template)
     if study.launcher is not None:
-        return _run_launcher(study, ckpt, sweep_dir, jobs, todo, log_path, progress, eta)
-    configs = [(job, _job_config(template, job, ckpt, sweep_dir / job.name)) for job in todo]
+        return _run_launcher(study, ckpt, sweep_dir, jobs, todo, log_path, progress, eta, template, baseline)
     forking = _forking(study)
     # Forked workers start from this process: without a baseline trained here, the first job runs
     # here (on one thread) so that they do not each load the data and import what a job imports.
-    here, forked = (configs[:1], configs[1:]) if forking and not _warm else ((configs, []) if not forking else
-                                                                              ([], configs))
+    # Without a measured baseline, the first job runs first too and measures it for all the others.
+    first = (forking and not _warm) or (baseline is None and _shares_baseline(template))
+    here = todo if not forking else todo[:1] if first else []
     failed = False
-    for job, cfg in here:
+    for job in here:
+        cfg = _job_config(template, job, ckpt, sweep_dir / job.name, study.keep_checkpoints, baseline)
         started = time.monotonic()
         running = f"{job.label()} running"
         with progress.heartbeat(lambda: eta.status(f"{running} ({time.monotonic() - started:.0f} s)")):
             with _single_threaded(forking):
                 status = _in_process(cfg, sweep_dir / job.name / JOB_LOG)
         failed |= _report_job(job, sweep_dir, status, progress, eta)
+        if baseline is None:
+            baseline = _measured_baseline(sweep_dir.parent, template)
+    forked = [(job, _job_config(template, job, ckpt, sweep_dir / job.name, study.keep_checkpoints, baseline))
+              for job in todo[len(here):]]
     if forked:
         failed |= _run_forked(forked, study.jobs, sweep_dir, progress, eta, idle=report.preload)
     return failed
+
+
+def _measured_baseline(out: Path, template: Any) -> Optional[float]:
+    """The baseline a finished job of this study measured (every job starts from the same model on the same
+    data), or None: then the next job measures it."""
+    if not _shares_baseline(template):
+        return None
+    for directory in (JOBS_DIR, LAYERS_DIR):
+        for path in sorted((out / directory).glob(f"*/{RUN_SUMMARY}")):
+            try:
+                value = json.loads(path.read_text()).get("baseline")
+            except (OSError, ValueError):
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+    return None
 
 
 def _report_job(job: Job, sweep_dir: Path, status: int, progress: Progress, eta: _Eta) -> bool:
@@ -730,7 +789,8 @@ def _run_forked(configs: Sequence[tuple[Job, Any]], workers: int, sweep_dir: Pat
 
 
 def _run_launcher(study: Study, ckpt: str, sweep_dir: Path, jobs: Sequence[Job], todo: Sequence[Job],
-                  log_path: Path, progress: Progress, eta: _Eta) -> bool:
+                  log_path: Path, progress: Progress, eta: _Eta, template: Any,
+                  baseline: Optional[float]) -> bool:
     """The jobs as a Hydra multirun (``python -m lightning_pin.train -m``) on ``study.launcher``; True if one failed."""
     sweep_dir = sweep_dir.resolve()
     kind = jobs[0].kind
@@ -748,7 +808,9 @@ def _run_launcher(study: Study, ckpt: str, sweep_dir: Path, jobs: Sequence[Job],
     config_dir = ["--config-dir", str(Path(study.config_dir).resolve())] if study.config_dir else []
     args = [sys.executable, "-m", "lightning_pin.train", *config_dir, "-m", *study.overrides, "pin=faults",
             f"pin.kind={kind}", *sweep, f"pin.seed={seeds}", f"ckpt_path={ckpt}", "skip_finished=true",
-            f"hydra.sweep.dir={sweep_dir}", f"hydra.sweep.subdir={subdir}", *launcher]
+            f"hydra.sweep.dir={sweep_dir}", f"hydra.sweep.subdir={subdir}", *launcher,
+            *(f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+              for key, value in _job_outputs(template, study.keep_checkpoints, baseline).items())]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     finished = {job.name for job in jobs if (sweep_dir / job.name / RUN_SUMMARY).is_file()}
     with open(log_path, "a") as log:
@@ -935,7 +997,7 @@ class ForcedCampaign:
             seconds = time.perf_counter() - started
             rows.append({
                 "kind": job.kind, "rate": job.rate, "seed": job.seed, "param": job.param, "baseline": self.baseline,
-                "forced": forced, "final": None, "gap": None, "recovered_step": None,
+                "forced": forced, "final": None, "gap": None, "recovered_step": None, "recovered": None,
                 "pinned_elements": patch.elements, "changed_bits": patch.changed_bits, "pins_exact": None,
                 "seconds": round(seconds, 4), "tolerance": self.tolerance, "diverged": None,
                 "recipe": self.recipe, "job_dir": "",

@@ -64,6 +64,11 @@ log = logging.getLogger("lightning_pin.train")
 
 PRETRAINED_CKPT = "pretrained.ckpt"
 PINNED_CKPT = "pinned.ckpt"
+#: ``pinned_checkpoint=weights``: the pinned weights alone, and the pin state ``lightning-pin check`` reads.
+PINNED_WEIGHTS = "pinned.safetensors"
+PIN_STATE = "pins.pt"
+#: What ``pinned_checkpoint`` may say (see :func:`save_pinned`).
+PINNED_CHECKPOINTS = ("full", "weights")
 #: The faults a ``pin=faults`` job pinned (see :func:`lightning_pin.app.fault_pins.save_faults`).
 FAULT_MAP = "fault_map.pt"
 #: Keys of run_summary.json a sweeper may optimize (``optimized_metric``).
@@ -170,6 +175,9 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
         raise ValueError(f"optimized_metric={cfg.optimized_metric!r} is not one of {list(OPTIMIZABLE)}")
     check_mode(cfg.metric, cfg.metric_mode)
     check_lengths(cfg)
+    if cfg.get("pinned_checkpoint", "full") not in PINNED_CHECKPOINTS:
+        raise ValueError(f"pinned_checkpoint={cfg.pinned_checkpoint!r} is not one of {list(PINNED_CHECKPOINTS)}: "
+                         "full keeps pinned.ckpt (resumable), weights keeps pinned.safetensors and pins.pt")
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -226,7 +234,7 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
 
     # 4. Exactness, on the model as it came back from training (after ddp_spawn too).
     pin_callback.verify(model)
-    trainer.save_checkpoint(output_dir / PINNED_CKPT, weights_only=False)
+    save_pinned(cfg.get("pinned_checkpoint", "full"), trainer, pin_callback, model, output_dir)
 
     # 5. The summary.
     report = pin_report(pin_callback, output_dir)
@@ -424,6 +432,23 @@ def load_weights(model: torch.nn.Module, ckpt_path: str) -> None:
     model.load_state_dict(checkpoint["state_dict"])
 
 
+def save_pinned(what: str, trainer: pl.Trainer, pin_callback: PinCallback, model: torch.nn.Module,
+                output_dir: Path) -> None:
+    """Save the pinned model: ``full``, Lightning's ``pinned.ckpt``; ``weights``, ``pinned.safetensors`` (the
+    state dict: no optimizer state, a quarter of an AdamW checkpoint) and ``pins.pt`` (the pin state, the targets
+    every pinned element holds), so that ``lightning-pin check pins.pt pinned.safetensors`` verifies the weights."""
+    if what == "full":
+        trainer.save_checkpoint(output_dir / PINNED_CKPT, weights_only=False)
+        return
+    from safetensors.torch import save_file
+
+    if trainer.is_global_zero:
+        # Tied parameters share storage, which safetensors refuses: each name gets its own copy.
+        weights = {name: t.detach().cpu().contiguous().clone() for name, t in model.state_dict().items()}
+        save_file(weights, str(output_dir / PINNED_WEIGHTS))
+        torch.save(pin_callback.state_dict(), output_dir / PIN_STATE)
+
+
 # ----------------------------------------------------------------------------------------------
 # The summary
 
@@ -488,7 +513,8 @@ def make_summary(
         "pins_exact": True,
         "seconds": round(seconds, 1),
         "output_dir": str(output_dir),
-        "files": [n for n in (REPORT_JSON, REPORT_PNG, PRETRAINED_CKPT, PINNED_CKPT) if (output_dir / n).exists()],
+        "files": [n for n in (REPORT_JSON, REPORT_PNG, PRETRAINED_CKPT, PINNED_CKPT, PINNED_WEIGHTS, PIN_STATE)
+                  if (output_dir / n).exists()],
     }
 
 

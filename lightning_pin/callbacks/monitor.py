@@ -105,6 +105,8 @@ class PinMonitor:
         dataloader_idx: Which validation dataloader to track.
         report: Write the report files and print the table at the end of training.
         report_dir: Where to write the report (default: the first logger's ``log_dir``).
+        baseline: The baseline when it is already known, not measured again: many fits that start from one
+            model (the jobs of a fault study) share one measurement of it. ``None``: measured at train start.
 
     Raises:
         PinError: When built, for an ``accuracy`` that is neither a bool nor a torchmetrics
@@ -140,6 +142,7 @@ class PinMonitor:
         dataloader_idx: int = 0,
         report: bool = True,
         report_dir: Optional[str] = None,
+        baseline: Optional[float] = None,
     ) -> None:
         if not (accuracy is True or accuracy is False or accuracy is None or isinstance(accuracy, Metric)):
             raise PinError(f"accuracy must be True, False or a torchmetrics Metric, got {type(accuracy).__name__}")
@@ -168,6 +171,10 @@ class PinMonitor:
         self.dataloader_idx = dataloader_idx
         self.report = report
         self.report_dir = report_dir
+        if baseline is not None and not math.isfinite(baseline):
+            raise PinError(f"baseline must be None or a finite number, got {baseline!r}")
+        #: The given baseline (None: measured at train start).
+        self.known_baseline = None if baseline is None else float(baseline)
         self._reset()
 
     def _reset(self) -> None:
@@ -219,11 +226,15 @@ class PinMonitor:
         self._baseline = None
         if self.preservation is None or self.preservation.baseline is not None or trainer.global_step > 0:
             return
+        if self.known_baseline is not None:
+            self._baseline = self.known_baseline
+            return
         loader, limit = self._val_loader(trainer)
         if loader is None:
             rank_zero_warn(f"PinMonitor: no validation data (trainer.val_dataloaders), so {self.name} is not tracked")
             return
-        self._baseline = self._evaluate(trainer, module, loader, limit)
+        with _own_random_stream():
+            self._baseline = self._evaluate(trainer, module, loader, limit)
 
     def after_force(self, trainer: pl.Trainer, module: pl.LightningModule, engine: PinEngine) -> None:
         """Measure the forced value (pins set, no training), snapshot the free weights, log."""
@@ -257,7 +268,8 @@ class PinMonitor:
 
     def _measure_forced(self, trainer: pl.Trainer, module: pl.LightningModule, baseline: float) -> dict[str, float]:
         step = trainer.global_step
-        forced = self._evaluate(trainer, module, *self._val_loader(trainer))
+        with _own_random_stream():
+            forced = self._evaluate(trainer, module, *self._val_loader(trainer))
         self.preservation.baseline = baseline
         self.preservation.record(step, forced, forced=True)
         self._tracking = True
@@ -542,6 +554,13 @@ class PinMonitor:
         for key, rows in state.get("history", {}).items():
             self.history[key] = [list(r) for r in rows]
         self.modules = list(state.get("modules", []))
+
+
+def _own_random_stream() -> Any:
+    """torch's CPU generator as it was, after the block: iterating a DataLoader draws its base seed from it, so
+    without this a measurement at train start would shift every later shuffle, and a fit given its ``baseline``
+    would train differently from one that measured it."""
+    return torch.random.fork_rng(devices=[])
 
 
 def default_predict(module: nn.Module, batch: Any) -> tuple[Tensor, Tensor]:

@@ -51,8 +51,9 @@ def save_fault_map(
     step windows cannot be saved in one. Pins on the
     same parameter are merged: stuck bits are OR-ed, bounds intersected; two different values for
     one element are an error. The file is a flat dict of tensors (``.pt`` / ``.pth`` via
-    ``torch.save``, or ``.safetensors``), per parameter ``name:indices`` (``k x ndim`` int64
-    coordinates) and one entry per element for each field present: ``name:value`` (NaN: no stuck
+    ``torch.save``, or ``.safetensors``), per parameter ``name:indices`` (``k x ndim`` integer
+    coordinates: int16, int32 or int64, the smallest that holds the parameter's sizes when its shape
+    is known) and one entry per element for each field present: ``name:value`` (NaN: no stuck
     value), ``name:stuck_at_zero`` / ``name:stuck_at_one`` (int64 bit patterns, 0: no stuck bit),
     ``name:low`` / ``name:high`` (float64, -inf / +inf: no bound), and ``name:shape`` (the
     parameter's shape, int64) where it is known: always with ``module``; without, from a ``mask``,
@@ -112,9 +113,11 @@ def save_fault_map(
     tensors: dict[str, Tensor] = {}
     for name, parts in entries.items():
         shape = _one_shape(name, parts)
-        tensors.update(_merge(name, [(coords, fields) for coords, fields, _ in parts]))
+        tensors.update(_merge(name, [(coords, fields) for coords, fields, _ in parts], shape))
         if shape is not None:
             tensors[f"{name}:{SHAPE}"] = torch.tensor(shape, dtype=torch.int64).reshape(len(shape))
+            # The smallest integers that hold the sizes: a conv weight's 4 coordinates in 8 bytes, not 32.
+            tensors[f"{name}:{INDICES}"] = tensors[f"{name}:{INDICES}"].to(_index_dtype(shape))
         tensors.update((f"{name}:{field}", tensor) for field, tensor in specs.get(name, {}).items())
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".safetensors":
@@ -424,12 +427,27 @@ def _per_element(pin: Pin, field: str, raw: Any, coords: Tensor, full: Optional[
     )
 
 
-def _merge(name: str, parts: list[tuple[Tensor, dict[str, Tensor]]]) -> dict[str, Tensor]:
+def _index_dtype(shape: tuple[int, ...]) -> torch.dtype:
+    """int16, int32 or int64: the smallest that holds every coordinate of a parameter of ``shape``."""
+    largest = max(shape, default=1)
+    return torch.int16 if largest <= 2**15 else torch.int32 if largest <= 2**31 else torch.int64
+
+
+def _merge(name: str, parts: list[tuple[Tensor, dict[str, Tensor]]],
+           shape: Optional[tuple[int, ...]] = None) -> dict[str, Tensor]:
     """The fault-map entries of one parameter: the union of its pins' elements and their fields."""
     ndims = {coords.shape[1] for coords, _ in parts}
     if len(ndims) > 1:
         raise PinError(f"save_fault_map: the pins on {name!r} give coordinates of {sorted(ndims)} dimensions")
-    cells, inverse = torch.unique(torch.cat([coords for coords, _ in parts]), dim=0, return_inverse=True)
+    coords = torch.cat([coords for coords, _ in parts])
+    if shape is not None and len(shape) == coords.shape[1] and len(shape) > 1 and bool((coords >= 0).all()):
+        # Row-major flat positions sort as the coordinates do: a 1-D unique, many times faster than unique(dim=0)
+        # on k x ndim rows, with the same cells in the same order.
+        strides = torch.tensor([math.prod(shape[i + 1:]) for i in range(len(shape))], dtype=torch.int64)
+        flat, inverse = torch.unique(coords.long() @ strides, return_inverse=True)
+        cells = torch.stack(torch.unravel_index(flat, shape), dim=1).to(coords.dtype)
+    else:
+        cells, inverse = torch.unique(coords, dim=0, return_inverse=True)
     given: dict[str, list[Tensor]] = {}
     for _, fields in parts:
         for field, tensor in fields.items():

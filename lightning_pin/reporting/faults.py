@@ -39,6 +39,7 @@ COLUMNS: tuple[str, ...] = (
     "final",
     "gap",
     "recovered_step",
+    "recovered",
     "pinned_elements",
     "changed_bits",
     "pins_exact",
@@ -83,7 +84,44 @@ def job_row(summary: Mapping[str, Any], job_dir: str = "") -> dict[str, Any]:
     row.update(kind=fault.get("kind"), rate=fault.get("rate"), seed=fault.get("seed"), param=fault.get("params"))
     row["recipe"] = " ".join(summary.get("recipe") or [])
     row["job_dir"] = job_dir or summary.get("output_dir", "")
+    row["metric"] = summary.get("metric")  # not a CSV column: which tables clip their intervals to [0, 1]
+    row["recovered"] = ended_recovered(summary)
+    # The first step within the tolerance says when a job recovered, for a job that did: one that came back
+    # (or was within it when forced) and ended outside it has none.
+    row["recovered_step"] = summary.get("recovered_step") if row["recovered"] else None
     return row
+
+
+def ended_recovered(summary: Mapping[str, Any]) -> Optional[bool]:
+    """Whether a retrained job recovered: it ended within the tolerance of the baseline and did not diverge
+    (None: not retrained). The end decides: a job within the tolerance when forced, or at some step, and
+    outside it at the end, did not recover.
+
+    Example::
+
+        >>> ended_recovered({"final": 0.90, "gap": 0.05, "tolerance": 0.01, "recovered_step": 0, "settled_step": None})
+        False
+        >>> ended_recovered({"final": 0.95, "gap": 0.0, "tolerance": 0.01, "recovered_step": 4, "settled_step": 4})
+        True
+    """
+    if summary.get("final") in (None, ""):
+        return None
+    if _true(summary.get("diverged")):
+        return False
+    if "settled_step" in summary:  # the monitor's history: within the tolerance from some step to the end
+        return summary["settled_step"] not in (None, "")
+    gap, tolerance = summary.get("gap"), summary.get("tolerance")
+    if not _finite(gap) or not _finite(tolerance):
+        return False
+    return float(gap) <= float(tolerance)
+
+
+def row_recovered(row: Mapping[str, Any]) -> bool:
+    """A row's ``recovered`` cell (True, or "true" read back), or, in a CSV written before that column, a
+    ``recovered_step`` and no divergence."""
+    if "recovered" in row:
+        return _true(row.get("recovered"))
+    return row.get("recovered_step") not in (None, "") and not _true(row.get("diverged"))
 
 
 def sort_rows(rows: Iterable[Mapping[str, Any]], by: str = "rate") -> list[dict[str, Any]]:
@@ -99,11 +137,12 @@ def aggregate(rows: Sequence[Mapping[str, Any]], by: str = "rate") -> list[dict[
     for key, group in groups.items():
         point: dict[str, Any] = {by: key, "seeds": len(group)}
         for column in ("forced", "final", "gap", "baseline", "changed_bits", "pinned_elements"):
-            point[f"{column}_mean"], point[f"{column}_ci"], _ = mean_ci(r.get(column) for r in group)
-        # Back within the tolerance at some step, and not diverged after it: a job that came back and
-        # then collapsed did not recover.
-        point["recovered"] = sum(r.get("recovered_step") not in (None, "") and not _true(r.get("diverged"))
-                                 for r in group)
+            values = [float(r[column]) for r in group if _finite(r.get(column))]
+            point[f"{column}_mean"], point[f"{column}_ci"], point[f"{column}_n"] = mean_ci(values)
+            point[f"{column}_min"] = min(values) if values else math.nan
+            point[f"{column}_max"] = max(values) if values else math.nan
+        # Ended within the tolerance, not diverged: a job that came back and then left it did not recover.
+        point["recovered"] = sum(row_recovered(r) for r in group)
         point["diverged"] = sum(_true(r.get("diverged")) for r in group)
         point["pins_exact"] = all(r.get("pins_exact") for r in group)
         points.append(point)
@@ -147,10 +186,58 @@ def _true(value: Any) -> bool:
     return value is True or str(value).lower() == "true"
 
 
-def _pm(mean: float, ci: float) -> str:
-    if math.isnan(mean):
+def spread(point: Mapping[str, Any], column: str, bounded: bool = True, digits: int = 3) -> str:
+    """A column of an :func:`aggregate` point as the tables print it: the mean, then, from
+    :data:`MIN_SEEDS_FOR_CI` seeds on, ``± half-width`` of the 95% interval (Student's t) or, when that interval
+    leaves [0, 1] (``bounded``: an accuracy), the interval clipped to [0, 1] and marked so; with 2 seeds the range
+    over them (a t interval from 2 values is +-12.7 standard errors: no interval a reviewer would read).
+
+    Example::
+
+        >>> rows = [{"rate": 0.1, "forced": f} for f in (0.82, 0.85)]
+        >>> spread(aggregate(rows)[0], "forced")
+        '0.835 (range 0.820 to 0.850)'
+        >>> rows = [{"rate": 0.1, "forced": f} for f in (0.05, 0.3, 0.1)]
+        >>> spread(aggregate(rows)[0], "forced")
+        '0.150 (95% CI 0.000 to 0.479, clipped to [0, 1])'
+    """
+    mean, ci, n = point[f"{column}_mean"], point[f"{column}_ci"], point.get(f"{column}_n", point.get("seeds", 0))
+    if n == 0 or math.isnan(mean):
         return "-"
-    return f"{mean:.3f} ± {ci:.3f}" if ci > 0 else f"{mean:.3f}"
+    if n == 1:
+        return f"{mean:.{digits}f}"
+    if n < MIN_SEEDS_FOR_CI:
+        return f"{mean:.{digits}f} (range {point[f'{column}_min']:.{digits}f} to {point[f'{column}_max']:.{digits}f})"
+    if bounded and (mean - ci < 0.0 or mean + ci > 1.0):
+        low, high, _ = _band(mean, ci)
+        return f"{mean:.{digits}f} (95% CI {low:.{digits}f} to {high:.{digits}f}, clipped to [0, 1])"
+    return f"{mean:.{digits}f} ± {ci:.{digits}f}"
+
+
+def spread_note(points: Sequence[Mapping[str, Any]]) -> str:
+    """What the tables' spreads are, with their n: one line under a table of :func:`spread` cells."""
+    counts = sorted({int(p["seeds"]) for p in points})
+    if not counts:
+        return ""
+    n = f"n = {counts[0]}" if len(counts) == 1 else f"n = {counts[0]} to {counts[-1]} (the seeds column)"
+    if counts[-1] < 2:
+        return f"one seed per row ({n}): no spread"
+    if counts[-1] < MIN_SEEDS_FOR_CI:
+        return (f"mean over {n} seeds, and the range (min to max) over them: fewer than {MIN_SEEDS_FOR_CI} seeds "
+                "give no confidence interval worth printing")
+    note = f"± is the 95% confidence interval of the mean over {n} seeds (Student's t)"
+    if counts[0] < MIN_SEEDS_FOR_CI:
+        note += f"; rows with fewer than {MIN_SEEDS_FOR_CI} seeds give their range (min to max) instead"
+    return note
+
+
+def accuracy_rows(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the rows measure an accuracy (a fraction in [0, 1], whose intervals are clipped there): every
+    baseline, forced and final value lies in [0, 1] and no row names another metric."""
+    if any(r.get("metric") not in (None, "", "accuracy") for r in rows):
+        return False
+    values = [float(r[c]) for r in rows for c in ("baseline", "forced", "final") if _finite(r.get(c))]
+    return all(0.0 <= v <= 1.0 for v in values)
 
 
 def retrained(rows: Sequence[Mapping[str, Any]]) -> bool:
@@ -162,6 +249,7 @@ def print_curve(rows: Sequence[Mapping[str, Any]], title: str, by: str = "rate")
     """One line per rate (or parameter): forced and final, mean ± 95% CI over seeds (forced only, not retrained)."""
     points = aggregate(rows, by)
     full = retrained(rows)
+    bounded = accuracy_rows(rows)
     columns = [
         tables.Column(by, justify="left" if by == "param" else "right"),
         tables.Column("seeds", justify="right"),
@@ -178,26 +266,35 @@ def print_curve(rows: Sequence[Mapping[str, Any]], title: str, by: str = "rate")
         columns.append(tables.Column("changed bits", justify="right", no_wrap=True))
     body = []
     for p in points:
-        line = [str(p[by]) if by == "param" else f"{p[by]:g}", str(p["seeds"]), _pm(p["forced_mean"], p["forced_ci"])]
+        line = [str(p[by]) if by == "param" else f"{float(p[by]):g}", str(p["seeds"]), spread(p, "forced", bounded)]
         if full:
             diverged = f", {p['diverged']} diverged" if p["diverged"] else ""
             line += [
-                _pm(p["final_mean"], p["final_ci"]),
-                _pm(p["gap_mean"], p["gap_ci"]),
+                spread(p, "final", bounded),
+                spread(p, "gap", False),
                 f"{p['recovered']}/{p['seeds']}{diverged}",
                 "yes" if p["pins_exact"] else "NO",
             ]
         else:
             line.append("-" if math.isnan(p["changed_bits_mean"]) else f"{p['changed_bits_mean']:,.0f}")
         body.append(line)
-    baseline = [r.get("baseline") for r in rows if r.get("baseline") is not None]
-    tolerance = next((r.get("tolerance") for r in rows if r.get("tolerance") is not None), None)
+    # Numbers, from the rows in memory or as read back from fault_curve.csv.
+    baseline = [float(r["baseline"]) for r in rows if _finite(r.get("baseline"))]
+    tolerance = next((float(r["tolerance"]) for r in rows if _finite(r.get("tolerance"))), None)
     footer = []
     if baseline:
         footer.append((f"baseline {baseline[0]:.3f}" + ("" if tolerance is None else f", tolerance {tolerance:g}")
-                       + "; ± is the 95% confidence interval over seeds (Student's t)", None))
+                       + f"; {spread_note(points)}", None))
     if not full:
         footer.append(("forced only (no retraining): final, gap and recovered_step are empty in the CSV", None))
+    for p in points:
+        for column in ("forced", "final") if full else ("forced",):
+            draws = [float(r[column]) for r in rows if r[by] == p[by] and _finite(r.get(column))]
+            if bimodal(draws):
+                where = p[by] if by == "param" else f"rate {float(p[by]):g}"
+                footer.append((f"{where}: the {column} draws are bimodal (median {statistics.median(draws):.3f}, "
+                               f"from {min(draws):.3f} to {max(draws):.3f}): the mean sits between the modes; the "
+                               "figure shows every draw and the median", "yellow"))
     diverged = [r for r in rows if _true(r.get("diverged"))]
     if diverged:
         used = {_optimizer(r.get("recipe")) for r in diverged}
@@ -226,17 +323,59 @@ def _band(mean: float, ci: float) -> tuple[float, float, bool]:
     return max(0.0, low), min(1.0, high), low < 0.0 or high > 1.0
 
 
+def log_rates(rates: Iterable[float]) -> bool:
+    """Whether fault rates spread over decades (the largest at least 100 times the smallest above 0): a log axis.
+
+    Example::
+
+        >>> log_rates([0, 1e-4, 1e-3, 1e-2]), log_rates([0, 0.05, 0.1, 0.2])
+        (True, False)
+    """
+    positive = [float(r) for r in rates if float(r) > 0]
+    return len(positive) >= 2 and max(positive) >= 100 * min(positive)
+
+
+def bimodal(values: Iterable[Any], min_gap: float = 0.05) -> bool:
+    """Whether a set of draws falls into two separate groups: the widest gap between the sorted values is at least
+    ``min_gap`` (in the metric's units: 5 accuracy points), half their range, and three times the spread within
+    either group, and each group holds at least 2 draws and a tenth of them. Such a set is shown as its points and
+    its median: its mean sits between the modes, where no draw is.
+
+    Example::
+
+        >>> bimodal([0.1, 0.12, 0.11, 0.9, 0.92, 0.91]), bimodal([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+        (True, False)
+        >>> bimodal([0.898, 0.899, 0.9] * 3)  # a few accuracy levels a batch apart: one group
+        False
+    """
+    v = sorted(float(x) for x in values if _finite(x))
+    if len(v) < 6 or v[-1] - v[0] <= 0:
+        return False
+    gap, at = max((v[i + 1] - v[i], i) for i in range(len(v) - 1))
+    low, high = v[: at + 1], v[at + 1:]
+    within = max(low[-1] - low[0], high[-1] - high[0])
+    return (gap >= min_gap and gap >= 0.5 * (v[-1] - v[0]) and gap >= 3 * within
+            and min(len(low), len(high)) >= max(2, 0.1 * len(v)))
+
+
 def plot_curve(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Optional[Path]:
     """Forced (and final) accuracy against the fault rate: every seed's point, the mean over seeds, a 95% CI band
-    from 3 seeds on (clipped to [0, 1], and the legend says so), the baseline and its tolerance."""
+    from 3 seeds on (clipped to [0, 1], and the legend says so), the baseline and its tolerance.
+
+    Rates that spread over decades (:func:`log_rates`: ``--rates 0,1e-4,1e-3,1e-2``) are drawn on a log axis, rate
+    0 apart at its own tick left of a break. A series whose draws are :func:`bimodal` at some rate is drawn as its
+    points and their median, with no mean or t band."""
+    import random
+    import statistics as stats
+
     Figure = _figure()
     if Figure is None:
         return None
     points = aggregate(rows, "rate")
     fig = Figure(figsize=(6.4, 5.0), dpi=120)
     ax = fig.subplots()
-    baseline = next((r["baseline"] for r in rows if r.get("baseline") is not None), None)
-    tolerance = next((r["tolerance"] for r in rows if r.get("tolerance") is not None), None)
+    baseline = next((float(r["baseline"]) for r in rows if _finite(r.get("baseline"))), None)
+    tolerance = next((float(r["tolerance"]) for r in rows if _finite(r.get("tolerance"))), None)
     if baseline is not None:
         if tolerance:
             ax.axhspan(baseline - tolerance, baseline, color="tab:green", alpha=0.12, lw=0,
@@ -245,31 +384,62 @@ def plot_curve(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -
     series = [("forced", "tab:red", "forced (faults in, no retraining)")]
     if retrained(rows):
         series.append(("final", "tab:blue", "final (retrained around the faults)"))
-    clipped_any = False
+    logx = log_rates(p["rate"] for p in points)
+    positive = [100 * float(p["rate"]) for p in points if float(p["rate"]) > 0]
+    # On a log axis rate 0 has no place: it is drawn a decade and a half left of the smallest rate, apart.
+    zero_x = min(positive) / 10 ** 1.5 if logx else 0.0
+
+    def x_of(rate: Any) -> float:
+        return 100 * float(rate) if not logx or float(rate) > 0 else zero_x
+
+    jitter = random.Random(0)
+    clipped_any, bimodal_rates = False, set()
     for column, color, label in series:
         ok = [p for p in points if not math.isnan(p[f"{column}_mean"])]
-        rates = [100 * p["rate"] for p in ok]
-        ax.plot(rates, [p[f"{column}_mean"] for p in ok], marker="o", color=color, label=f"{label}: mean")
-        seeds_x = [100 * float(r["rate"]) for r in rows if _finite(r.get(column))]
-        seeds_y = [float(r[column]) for r in rows if _finite(r.get(column))]
-        ax.scatter(seeds_x, seeds_y, s=14, facecolors="none", edgecolors=color, alpha=0.8, lw=0.8, zorder=3,
-                   label=f"{label.split(' (')[0]}: each seed")
-        banded = [p for p in ok if p["seeds"] >= MIN_SEEDS_FOR_CI and not math.isnan(p[f"{column}_ci"])]
+        draws = {p["rate"]: [float(r[column]) for r in rows if r["rate"] == p["rate"] and _finite(r.get(column))]
+                 for p in ok}
+        split = {rate for rate, values in draws.items() if bimodal(values)}
+        bimodal_rates |= split
+        centre = (lambda p: stats.median(draws[p["rate"]])) if split else (lambda p: p[f"{column}_mean"])
+        what = "median" if split else "mean"
+        apart = [p for p in ok if logx and float(p["rate"]) == 0]
+        joined = [p for p in ok if p not in apart]
+        ax.plot([x_of(p["rate"]) for p in joined], [centre(p) for p in joined], marker="D" if split else "o",
+                color=color, label=f"{label}: {what}")
+        if apart:  # the control, not joined to the curve across the break
+            ax.plot([zero_x], [centre(apart[0])], marker="D" if split else "o", color=color, ls="none")
+        many = max((len(v) for v in draws.values()), default=0) > 10
+        xs, ys = [], []
+        for rate, values in draws.items():
+            for value in values:
+                spread_x = (10 ** jitter.uniform(-0.05, 0.05)) if logx else 1.0
+                xs.append(x_of(rate) * spread_x if many else x_of(rate))
+                ys.append(value)
+        ax.scatter(xs, ys, s=10 if many else 14, facecolors="none", edgecolors=color, alpha=0.45 if many else 0.8,
+                   lw=0.8, zorder=3, label=f"{label.split(' (')[0]}: each " + ("draw" if many else "seed"))
+        banded = [p for p in joined if not split and p["seeds"] >= MIN_SEEDS_FOR_CI
+                  and not math.isnan(p[f"{column}_ci"])]
         if banded:
             bands = [_band(p[f"{column}_mean"], p[f"{column}_ci"]) for p in banded]
             clipped = any(c for _, _, c in bands)
             clipped_any |= clipped
-            ax.fill_between([100 * p["rate"] for p in banded], [b[0] for b in bands], [b[1] for b in bands],
+            ax.fill_between([x_of(p["rate"]) for p in banded], [b[0] for b in bands], [b[1] for b in bands],
                             color=color, alpha=0.15, lw=0,
-                            label="95% CI (Student's t)" + (", clipped to [0, 1]" if clipped else ""))
+                            label=f"95% CI of the mean (Student's t, n = {_counts(banded)})"
+                            + (", clipped to [0, 1]" if clipped else ""))
     kind = next((r.get("kind") for r in rows if r.get("kind")), "")
     seeds = sorted({p["seeds"] for p in points})
-    ax.set_xlabel(_rate_label(kind))
+    ax.set_xlabel(_rate_label(kind) + (", log scale" if logx else ""))
     ax.set_ylabel("validation accuracy")
     ax.set_ylim(0.0, 1.02)
+    if logx:
+        _log_axis(ax, zero_x, min(positive), max(positive), any(float(p["rate"]) == 0 for p in points))
     count = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
     note = (f"no confidence band with fewer than {MIN_SEEDS_FOR_CI} seeds" if seeds and seeds[0] < MIN_SEEDS_FOR_CI
             else "band: 95% CI of the mean" + (", clipped to [0, 1]" if clipped_any else ""))
+    if bimodal_rates:
+        where = ", ".join(f"{100 * float(r):g}%" for r in sorted(bimodal_rates, key=float))
+        note = f"bimodal draws at {where}: median and every draw, no mean ± CI"
     what = "Accuracy against fault rate" if retrained(rows) else "Forced accuracy (no retraining) against fault rate"
     ax.set_title(title or f"{what}: {count} seed(s) per rate\n({note})", fontsize=10)
     ax.grid(alpha=0.3)
@@ -277,6 +447,32 @@ def plot_curve(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -
     fig.tight_layout()
     fig.savefig(path)
     return path
+
+
+def _counts(points: Sequence[Mapping[str, Any]]) -> str:
+    counts = sorted({int(p["seeds"]) for p in points})
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+
+
+def _log_axis(ax: Any, zero_x: float, low: float, high: float, has_zero: bool) -> None:
+    """A log x axis (in %) with one tick per decade, and rate 0 at ``zero_x``, its own tick left of a break."""
+    from matplotlib.ticker import NullFormatter, NullLocator
+    from matplotlib.transforms import blended_transform_factory
+
+    ax.set_xscale("log")
+    first, last = math.floor(math.log10(low) + 1e-9), math.ceil(math.log10(high) - 1e-9)
+    decades = [10.0 ** e for e in range(first, last + 1)]
+    ticks = ([zero_x] if has_zero else []) + decades
+    ax.set_xticks(ticks, (["0"] if has_zero else []) + [f"{d:g}" for d in decades])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlim((zero_x if has_zero else low) / 10 ** 0.4, high * 10 ** 0.4)
+    if has_zero:
+        cut = math.sqrt(zero_x * low)  # halfway between the control and the first rate, in log space
+        ax.axvline(cut, color="0.5", lw=0.8, ls=":")
+        ax.text(cut, 0.0, "//", transform=blended_transform_factory(ax.transData, ax.transAxes), ha="center",
+                va="center", fontsize=11, color="0.3", bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5},
+                clip_on=False, zorder=5)
 
 
 def _finite(value: Any) -> bool:
