@@ -80,6 +80,8 @@ class Study:
     launcher: Optional[str] = None
     #: A directory of the user's own config groups (``--config-dir``), searched before the app's.
     config_dir: Optional[str] = None
+    #: Map each job's model onto its faults first (``pin.remap=true``; see :mod:`lightning_pin.app.remap`).
+    remap: bool = False
 
     def __post_init__(self) -> None:
         # ``hydra/launcher=NAME`` among the overrides asks for a launcher, as --launcher does.
@@ -128,6 +130,7 @@ class Study:
             raise StudyError(f"unknown option {next(o for o in self.overrides if o.startswith('-'))!r}")
         if self.config_dir is not None and not Path(self.config_dir).is_dir():
             raise StudyError(f"--config-dir {self.config_dir!r} is not a directory")
+        _check_remap(self)
 
 
 #: Keys the study sets on every job; an override of one of them would break the grid.
@@ -361,7 +364,17 @@ def _compose_overrides(study: Study) -> list[str]:
     """The job's overrides for composing here: the user's (without the launcher's), the fault group, no rate yet."""
     kind = "bit" if study.kind == "flip" else study.kind  # flip draws as bit_faults does; the app never retrains it
     keep = [o for o in study.overrides if not o.lstrip("+~").startswith("hydra")]
-    return [*keep, "pin=faults", f"pin.kind={kind}", "pin.rate=0.0", "pin.seed=0", "skip_finished=true"]
+    remap = ["pin.remap=true"] if study.remap else []
+    return [*keep, "pin=faults", f"pin.kind={kind}", "pin.rate=0.0", "pin.seed=0", "skip_finished=true", *remap]
+
+
+def _check_remap(study: Study) -> None:
+    """``--remap`` maps permanent weight faults: refused, in one line, for the kinds it cannot map."""
+    from lightning_pin.app.remap import UNMAPPABLE
+
+    if study.remap and study.kind in UNMAPPABLE:
+        what = "a transient fault has no fixed cells" if study.kind == "flip" else "stuck neurons are not weights"
+        raise StudyError(f"--remap maps weights onto faulty cells, and --kind {study.kind}: {what}; drop --remap")
 
 
 def _compose(study: Study, overrides: Sequence[str], output_dir: Path) -> Any:
@@ -872,12 +885,28 @@ class ForcedCampaign:
         if job.kind == "flip":
             return flip_bits(self.model, params, job.rate, bits=self._options.get("bits"), seed=job.seed)
         pins = draw_faults(self.model, job.kind, job.rate, job.seed, params, **self._options)
+        if self.template.pin.get("remap") and self.batches:  # measured draws: map, measure, then unmap exactly
+            pins = self._map(pins)
         weight_pins, outputs = kinds.split(pins)
         if outputs:  # stuck neurons: forward hooks for the block, no stored word changed
             from lightning_pin.faults.neurons import NeuronPatch
 
             return NeuronPatch(self.model, [p for _, held in outputs for p in held])
         return forced_patch(self.model, pins, parameters=self._parameters)
+
+    def _map(self, pins: Sequence[Any]) -> list[Any]:
+        from lightning_pin.app.remap import batch_inputs, map_job
+
+        pins, self._mapped, self._mapping = map_job(self.model, pins, batch_inputs(self.batches[0]))
+        return pins
+
+    def unmap(self) -> dict[str, Any]:
+        """Undo the last draw's mapping (bit for bit); its CSV entries (none without ``pin.remap``)."""
+        mapping, mapped = getattr(self, "_mapping", None), getattr(self, "_mapped", {})
+        if mapping is not None:
+            mapping.undo(self.model)
+        self._mapping, self._mapped = None, {}
+        return mapped
 
     def changed_bits(self, job: Job) -> int:
         with self.draw(job) as patch:
@@ -894,13 +923,14 @@ class ForcedCampaign:
             started = time.perf_counter()
             with self.draw(job) as patch:
                 forced = self.evaluate()
+            mapped = self.unmap()
             seconds = time.perf_counter() - started
             rows.append({
                 "kind": job.kind, "rate": job.rate, "seed": job.seed, "param": job.param, "baseline": self.baseline,
                 "forced": forced, "final": None, "gap": None, "recovered_step": None,
                 "pinned_elements": patch.elements, "changed_bits": patch.changed_bits, "pins_exact": None,
                 "seconds": round(seconds, 4), "tolerance": self.tolerance, "diverged": None,
-                "recipe": self.recipe, "job_dir": "",
+                "recipe": self.recipe, "job_dir": "", **mapped,
             })
             eta.done += 1
             eta.ran += 1
