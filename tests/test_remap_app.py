@@ -79,3 +79,21 @@ def test_remap_of_a_kind_it_cannot_map_exits_2_in_one_line(kind, tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--remap" in err[0] and f"--kind {kind}" in err[0]
     assert not (tmp_path / "x").exists()
+
+
+def test_the_benchmark_reports_its_ratios(tmp_path) -> None:
+    """benchmarks/remap.py --quick runs end to end (1 seed, two settings): no ratio asserted but the damage's."""
+    import json
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "remap.py"
+    out = tmp_path / "remap.json"
+    done = subprocess.run([sys.executable, str(bench), "--quick", "--json", str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = json.loads(out.read_text())["table"]
+    assert set(table) == {"cells 30% 1:1", "stuck bits 1e-3"}
+    for row in table.values():
+        assert row["damage l2"] <= 1.0 and row["weights changed"] is not None and row["map time / epoch"] > 0
+    assert "damage l2" in done.stdout
