@@ -777,7 +777,7 @@ def _rows(sweep_dir: Path, study: Study, jobs: Sequence[Job], counter: "ForcedCa
             raise StudyError(f"{path} is unreadable ({err}): delete it and run the study again (that job reruns)")
         row = report.job_row(summary, str(path.parent))
         row["recipe"] = " ".join(study.overrides)
-        row["changed_bits"] = counter.changed_bits(job)
+        row["changed_bits"] = counter.changed_bits(job, path.parent if study.remap else None)
         rows.append(row)
     return report.sort_rows(rows, "param" if jobs and jobs[0].param is not None else "rate")
 
@@ -908,9 +908,22 @@ class ForcedCampaign:
         self._mapping, self._mapped = None, {}
         return mapped
 
-    def changed_bits(self, job: Job) -> int:
-        with self.draw(job) as patch:
-            pass
+    def changed_bits(self, job: Job, mapped: Optional[Path] = None) -> int:
+        """The stored bits the job's faults change; ``mapped``: on the model as that job mapped it (its remap.pt)."""
+        from lightning_pin.app.remap import REMAP_FILE
+
+        mapping = None
+        if mapped is not None and (mapped / REMAP_FILE).is_file():
+            from lightning_pin.faults import FaultMapping
+
+            mapping = FaultMapping.from_state_dict(self.torch.load(mapped / REMAP_FILE, weights_only=True))
+            mapping.apply(self.model)
+        try:
+            with self.draw(job) as patch:
+                pass
+        finally:
+            if mapping is not None:
+                mapping.undo(self.model)
         return patch.changed_bits
 
     def run(self, jobs: Sequence[Job], what: str) -> list[dict[str, Any]]:
