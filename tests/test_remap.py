@@ -256,6 +256,22 @@ def test_refusals_change_no_weight() -> None:
         refused(model, "pins already hold", faults, x)
 
 
+def test_layer_norm_moves_with_its_channels_and_exclude_takes_globs() -> None:
+    torch.manual_seed(13)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(5, 4)
+    spec = remap_spec(model, x)
+    assert ("1.weight", 0, 1) in spec["0"] and ("1.bias", 0, 1) in spec["0"] and set(spec) == {"0", "3"}
+    expected = outputs(model, x)
+    faults = cell_faults(model, "*weight", rate=0.4, sa1_fraction=0.0, seed=5)
+    mapping = remap(copy.deepcopy(model), faults, x)
+    assert set(mapping.perms) == {"0", "3"}
+    kept = copy.deepcopy(model)
+    mapping = remap(kept, faults, x, exclude="[3]")
+    assert set(mapping.perms) == {"0"}
+    torch.testing.assert_close(outputs(kept, x), expected)
+
+
 def test_mapping_refuses_another_model() -> None:
     torch.manual_seed(10)
     model, x = mlp(), torch.randn(2, 6)
@@ -303,3 +319,42 @@ def test_pin_and_train_after_the_mapping_then_verify() -> None:
         name = p.params
         weight = dict(model.named_parameters())[name]
         assert torch.equal(weight[tuple(p.indices.T)], p.value)
+
+
+def test_a_model_a_pin_callback_holds_is_refused() -> None:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pin import PinCallback
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    seen = []
+
+    class TryRemap(pl.Callback):
+        def on_train_start(self, trainer, module):
+            saved = snapshot(module)
+            with pytest.raises(PinError, match="PinCallback"):
+                remap(module, faults, torch.randn(2, 6))
+            seen.append(same(module, saved))
+
+    lit = Lit()
+    faults = cell_faults(lit, "net.0.weight", rate=0.3, sa1_fraction=0.0)
+    data = DataLoader(TensorDataset(torch.randn(4, 6), torch.randint(0, 3, (4,))), batch_size=4)
+    trainer = pl.Trainer(max_steps=1, callbacks=[PinCallback(faults, verbose=False, monitor=False), TryRemap()],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(lit, data)
+    assert seen == [True]

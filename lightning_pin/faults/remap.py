@@ -457,6 +457,14 @@ def _refuse_held(model: nn.Module) -> None:
         if any(not h._removed for h in handles) and mine & {id(p) for p in module.parameters()}:
             raise PinError("remap: pins already hold this model (a live pin() handle): map before pinning and "
                            "before the optimizer exists, then pin mapping.faults")
+    # A PinCallback of the model's trainer holds it while its engine is set up (read without importing Lightning).
+    trainer = getattr(model, "_trainer", None)
+    for callback in getattr(trainer, "callbacks", None) or ():
+        plan = getattr(getattr(callback, "engine", None), "plan", None)
+        held = getattr(plan, "parameters", None)
+        if isinstance(held, Mapping) and mine & {id(p) for p in held.values()}:
+            raise PinError("remap: a PinCallback of this model's trainer holds it: map before fitting, then give "
+                           "the callback mapping.faults")
 
 
 def _moved_faults(faults: Sequence[Any], cells: list[_Cells], search: _Search) -> list[Any]:
