@@ -117,11 +117,16 @@ class FaultMapping:
         groups = list(self.perms.items())
         if inverse:
             groups = groups[::-1]
+        done: set[tuple[int, int]] = set()  # tied weights: one tensor under two names moves once
         with torch.no_grad():
             for group, perm in groups:
                 perm = perm.argsort() if inverse else perm
                 for name, axis, block in self.spec[group]:
                     tensor = tensors[name]
+                    key = (id(tensor), axis % tensor.ndim)
+                    if key in done:
+                        continue
+                    done.add(key)
                     tensor.copy_(_gather(tensor, axis, perm, block))
 
     def apply(self, model: nn.Module) -> None:
@@ -506,6 +511,9 @@ def _apply_checked(model: nn.Module, mapping: FaultMapping, example_input: Any) 
         mapping.undo(model)
         raise PinError(f"remap: the mapped model's outputs differ from the unmapped ones, so the spec misses "
                        f"something the permutation moves (the model is restored): {err}") from None
+    except BaseException:
+        mapping.undo(model)  # the mapped model's forward raised: nothing is left changed
+        raise
 
 
 __all__ = ["COSTS", "FaultMapping", "remap"]
