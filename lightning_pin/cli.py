@@ -5,7 +5,7 @@
     lightning-pin diff A.ckpt B.ckpt    # what changed between two checkpoints; do saved pins hold in B?
     lightning-pin check PINNED FILE...  # do the saved pins hold in exported models?
     lightning-pin export RUN_DIR [--to FILE.safetensors|FILE.onnx]   # an app run's pinned model, exported
-    lightning-pin faults [--kind K] [--rates R1,R2] [--seeds N] [--no-retrain] [--jobs J] [--launcher L] [--out DIR]
+    lightning-pin faults [--kind K] [--rates R1,R2] [--seeds N] [--no-retrain] [--remap] [--jobs J] [--launcher L] [--out DIR]
                          [--config-dir DIR] [OVERRIDES]
                                         # accuracy against the fault rate, forced and retrained (a study)
     lightning-pin tune [--trials N] [--param KEY=SPEC] [--objectives final:max,...] [--config-dir DIR] [OVERRIDES]
@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--no-retrain", action="store_true",
                         help="forced accuracy only (a test-time campaign): every draw in this process, the weights "
                         "restored exactly after each; final, gap and recovered_step stay empty")
+    faults.add_argument("--remap", action="store_true",
+                        help="map each job's pretrained model onto its faults first (hidden units permuted, function "
+                        "kept; pin.remap=true): forced accuracy and retraining start from the mapping; CSV adds "
+                        "damage_before, damage_after, remap_seconds")
     faults.add_argument("--jobs", type=int, default=1,
                         help="jobs at a time: workers forked from this process after the imports (default: 1, in "
                         "this process)")
@@ -311,7 +315,7 @@ def _faults(args: argparse.Namespace, extra: Sequence[str]) -> int:
                       layer_rate=args.layer_rate, jobs=args.jobs, out=args.out, no_retrain=args.no_retrain,
                       launcher=args.launcher, overrides=(*args.overrides, *extra, *_code_bits(args)),
                       config_dir=_config_dir(args.config_dir), deploy=args.deploy,
-                      keep_checkpoints=args.keep_checkpoints)
+                      keep_checkpoints=args.keep_checkpoints, remap=args.remap)
         status = run_study(study)
     except StudyError as err:
         return _fail("faults", str(err))

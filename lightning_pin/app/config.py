@@ -383,6 +383,9 @@ class FaultPinsConfig(PinsConfig):
     neuron_kind: str = "sa0"
     per: str = "channel"
     modules: Any = None
+    #: Map the pretrained model onto its faults before the forced accuracy and the retraining: hidden units
+    #: permuted (function kept) so the faulty cells damage the weights least (:func:`lightning_pin.faults.remap`).
+    remap: bool = False
 
 
 @dataclass

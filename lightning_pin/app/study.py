@@ -85,6 +85,8 @@ class Study:
     #: Keep each job's full ``pinned.ckpt`` (optimizer state included); by default a job keeps what the study
     #: reads: its summary, its fault map and its pinned weights (``pinned.safetensors`` with the pin state).
     keep_checkpoints: bool = False
+    #: Map each job's model onto its faults first (``pin.remap=true``; see :mod:`lightning_pin.app.remap`).
+    remap: bool = False
 
     def __post_init__(self) -> None:
         # ``hydra/launcher=NAME`` among the overrides asks for a launcher, as --launcher does.
@@ -136,6 +138,7 @@ class Study:
             _check_deploy(self)
         if self.config_dir is not None and not Path(self.config_dir).is_dir():
             raise StudyError(f"--config-dir {self.config_dir!r} is not a directory")
+        _check_remap(self)
 
 
 def _check_deploy(study: Study) -> None:
@@ -395,7 +398,21 @@ def _compose_overrides(study: Study) -> list[str]:
     """The job's overrides for composing here: the user's (without the launcher's), the fault group, no rate yet."""
     kind = "bit" if study.kind == "flip" else study.kind  # flip draws as bit_faults does; the app never retrains it
     keep = [o for o in study.overrides if not o.lstrip("+~").startswith("hydra")]
-    return [*keep, "pin=faults", f"pin.kind={kind}", "pin.rate=0.0", "pin.seed=0", "skip_finished=true"]
+    remap = ["pin.remap=true"] if study.remap else []
+    return [*keep, "pin=faults", f"pin.kind={kind}", "pin.rate=0.0", "pin.seed=0", "skip_finished=true", *remap]
+
+
+def _check_remap(study: Study) -> None:
+    """``--remap`` maps permanent weight faults: refused, in one line, for the kinds it cannot map."""
+    from lightning_pin.app.remap import UNMAPPABLE
+
+    if study.remap and study.kind in UNMAPPABLE:
+        what = "a transient fault has no fixed cells" if study.kind == "flip" else "stuck neurons are not weights"
+        raise StudyError(f"--remap maps weights onto faulty cells, and --kind {study.kind}: {what}; drop --remap")
+    if study.remap and study.deploy is not None:
+        # torchao's int8 weights are read-only tensor subclasses: their rows cannot be gathered into new slots.
+        raise StudyError(f"--remap permutes float weights before they are quantized, and --deploy {study.deploy} "
+                         "faults the stored int8 codes of the trained model: use one of them")
 
 
 def _compose(study: Study, overrides: Sequence[str], output_dir: Path) -> Any:
@@ -855,7 +872,7 @@ def _rows(sweep_dir: Path, study: Study, jobs: Sequence[Job], counter: "ForcedCa
             raise StudyError(f"{path} is unreadable ({err}): delete it and run the study again (that job reruns)")
         row = report.job_row(summary, str(path.parent))
         row["recipe"] = " ".join(study.overrides)
-        row["changed_bits"] = counter.changed_bits(job)
+        row["changed_bits"] = counter.changed_bits(job, path.parent if study.remap else None)
         rows.append(row)
     return report.sort_rows(rows, "param" if jobs and jobs[0].param is not None else "rate")
 
@@ -972,6 +989,8 @@ class ForcedCampaign:
         if job.kind == "flip":
             return flip_bits(self.model, params, job.rate, bits=self._options.get("bits"), seed=job.seed)
         pins = draw_faults(self.model, job.kind, job.rate, job.seed, params, **self._options)
+        if self.template.pin.get("remap") and self.batches:  # measured draws: map, measure, then unmap exactly
+            pins = self._map(pins)
         weight_pins, outputs = kinds.split(pins)
         if outputs:  # stuck neurons: forward hooks for the block, no stored word changed
             from lightning_pin.faults.neurons import NeuronPatch
@@ -979,9 +998,36 @@ class ForcedCampaign:
             return NeuronPatch(self.model, [p for _, held in outputs for p in held])
         return forced_patch(self.model, pins, parameters=self._parameters)
 
-    def changed_bits(self, job: Job) -> int:
-        with self.draw(job) as patch:
-            pass
+    def _map(self, pins: Sequence[Any]) -> list[Any]:
+        from lightning_pin.app.remap import batch_inputs, map_job
+
+        pins, self._mapped, self._mapping = map_job(self.model, pins, batch_inputs(self.batches[0]))
+        return pins
+
+    def unmap(self) -> dict[str, Any]:
+        """Undo the last draw's mapping (bit for bit); its CSV entries (none without ``pin.remap``)."""
+        mapping, mapped = getattr(self, "_mapping", None), getattr(self, "_mapped", {})
+        if mapping is not None:
+            mapping.undo(self.model)
+        self._mapping, self._mapped = None, {}
+        return mapped
+
+    def changed_bits(self, job: Job, mapped: Optional[Path] = None) -> int:
+        """The stored bits the job's faults change; ``mapped``: on the model as that job mapped it (its remap.pt)."""
+        from lightning_pin.app.remap import REMAP_FILE
+
+        mapping = None
+        if mapped is not None and (mapped / REMAP_FILE).is_file():
+            from lightning_pin.faults import FaultMapping
+
+            mapping = FaultMapping.from_state_dict(self.torch.load(mapped / REMAP_FILE, weights_only=True))
+            mapping.apply(self.model)
+        try:
+            with self.draw(job) as patch:
+                pass
+        finally:
+            if mapping is not None:
+                mapping.undo(self.model)
         return patch.changed_bits
 
     def run(self, jobs: Sequence[Job], what: str) -> list[dict[str, Any]]:
@@ -994,13 +1040,14 @@ class ForcedCampaign:
             started = time.perf_counter()
             with self.draw(job) as patch:
                 forced = self.evaluate()
+            mapped = self.unmap()
             seconds = time.perf_counter() - started
             rows.append({
                 "kind": job.kind, "rate": job.rate, "seed": job.seed, "param": job.param, "baseline": self.baseline,
                 "forced": forced, "final": None, "gap": None, "recovered_step": None, "recovered": None,
                 "pinned_elements": patch.elements, "changed_bits": patch.changed_bits, "pins_exact": None,
                 "seconds": round(seconds, 4), "tolerance": self.tolerance, "diverged": None,
-                "recipe": self.recipe, "job_dir": "",
+                "recipe": self.recipe, "job_dir": "", **mapped,
             })
             eta.done += 1
             eta.ran += 1

@@ -224,6 +224,17 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
                                                           *others, *extra_callbacks])
     if "rate" in cfg.pin.keys() and pins:
         save_faults(pins, model, output_dir / FAULT_MAP)  # what a study checks for common random numbers
+    remapped: dict[str, Any] = {}
+    if cfg.pin.get("remap"):
+        # The faults' cells stay where they are; the pretrained model's units move onto them (function kept),
+        # before the forced accuracy (PinMonitor measures it at train start) and the retraining.
+        from lightning_pin.app.remap import example_from, map_job
+
+        pins, remapped, _ = map_job(model, pins, example_from(datamodule), output_dir)
+        plan = resolve(kinds.split(pins)[0], model)
+        pin_callback = build_pin_callback(cfg, pins, built)
+        trainer = build_trainer(cfg, "pinned", callbacks=[pin_callback, *metric_callbacks(cfg, built, pin_callback),
+                                                          *others, *extra_callbacks])
 
     # 3. Baseline, forced, retraining with the pins (PinMonitor measures at train start). Stuck bits of
     # integer codes: from here the forward reads the dequantized codes (quantization-aware retraining).
@@ -240,6 +251,7 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
     report = pin_report(pin_callback, output_dir)
     summary = make_summary(cfg, report, output_dir, seconds=time.perf_counter() - started, built=built)
     summary["train_loss"] = _last_loss(trainer)
+    summary.update(remapped)
     # Pins on module outputs (stuck neurons) hold in every forward, not in weights: counted apart.
     summary["output_pins"] = sum(len(group) for _, group in kinds.split(pins)[1])
     classes = getattr(datamodule, "num_classes", None)

@@ -14,6 +14,8 @@ faults for a module and return plain :class:`~lightning_pin.Pin` lists, to give 
   training); with ``bit_faults(..., code=QuantCode(...))`` the stuck bits are bits of those codes;
 - :func:`neuron_faults`: a ``rate`` fraction of the channels (or output positions) of chosen
   modules stuck at 0, at saturation or at seeded values in every forward (:class:`~lightning_pin.NeuronPin`);
+- :func:`remap`: fault-aware mapping: permute hidden units (function kept) so the faults damage the
+  weights least, before retraining (:class:`FaultMapping` undoes, saves and re-applies it);
 - :func:`save_fault_map` / :func:`load_fault_map`: one file format for stuck values, stuck bits
   and bounds per parameter name, so a chip's measured fault map can be pinned as it is.
 
@@ -32,9 +34,12 @@ from lightning_pin.faults.fault_map import load_fault_map, save_fault_map
 from lightning_pin.faults.flips import BitFlips, WordPatch, changed_bits, flip_bits, forced_patch
 from lightning_pin.faults.quantize import QuantizeHandle, quantize, quantize_codes
 from lightning_pin.faults.neurons import neuron_faults
+from lightning_pin.faults.remap import FaultMapping, remap
+from lightning_pin.faults.remap_spec import remap_spec
 
 __all__ = [
     "BitFlips",
+    "FaultMapping",
     "FaultPins",
     "QuantizeHandle",
     "WordPatch",
@@ -47,6 +52,8 @@ __all__ = [
     "load_fault_map",
     "quantize",
     "quantize_codes",
+    "remap",
+    "remap_spec",
     "neuron_faults",
     "save_fault_map",
 ]

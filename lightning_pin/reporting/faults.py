@@ -48,6 +48,10 @@ COLUMNS: tuple[str, ...] = (
     "tolerance",
     "train_loss",
     "diverged",
+    # lightning-pin faults --remap: the faults' squared change to the weights, unmapped and mapped, and its cost
+    "damage_before",
+    "damage_after",
+    "remap_seconds",
     "recipe",
     "job_dir",
 )
