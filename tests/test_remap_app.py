@@ -81,6 +81,13 @@ def test_remap_of_a_kind_it_cannot_map_exits_2_in_one_line(kind, tmp_path, capsy
     assert not (tmp_path / "x").exists()
 
 
+def test_remap_with_a_deployed_int8_campaign_exits_2_in_one_line(tmp_path, capsys) -> None:
+    assert faults("--deploy", "torchao-int8", "--no-retrain", "--remap", "--out", str(tmp_path / "x")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--remap" in err[0] and "--deploy torchao-int8" in err[0]
+    assert not (tmp_path / "x").exists()
+
+
 def test_the_benchmark_reports_its_ratios(tmp_path) -> None:
     """benchmarks/remap.py --quick runs end to end (1 seed, two settings): no ratio asserted but the damage's."""
     import json
