@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import sys
 import typing
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -29,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_pin"
 CONF = ROOT / "conf"
 API_DIR = "reference/api"
+# The checkout being built documents itself, whatever lightning_pin the environment has installed.
+sys.path.insert(0, str(ROOT))
 
 
 def api_modules() -> list[str]:
