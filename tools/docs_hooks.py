@@ -9,6 +9,9 @@ fails on a broken reference. Three generators:
 - the Hydra config groups and their options, read from ``conf/``, and the fields of the structured schema
   (``lightning_pin.app.config``) they extend;
 - the CLI, the ``--help`` of each ``lightning-pin`` command, from the command's own parser.
+
+It also serves CONTRIBUTING.md (kept at the top of the repository, where contributors look) as the site's
+``contributing.md``, its links into ``docs/`` made relative to the site.
 """
 
 from __future__ import annotations
@@ -135,6 +138,7 @@ def on_config(config):
 def on_files(files, config):
     pages = {f"{API_DIR}/{module}.md": api_page(module) for module in api_modules()}
     pages["reference/config.md"] = config_page()
+    pages["contributing.md"] = (ROOT / "CONTRIBUTING.md").read_text().replace("](docs/", "](")
     with redirect_stdout(io.StringIO()):
         pages["reference/cli.md"] = cli_page()
     for uri, content in pages.items():
