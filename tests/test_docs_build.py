@@ -64,6 +64,9 @@ def test_the_reference_has_a_page_per_public_module_with_its_public_names(site):
         assert f'id="lightning_pin.{name}"' in top, name
     faults = (site / "reference" / "api" / "lightning_pin.faults.bits" / "index.html").read_text()
     assert 'id="lightning_pin.faults.bits.bit_faults"' in faults  # a module without __all__: its public names
+    for module in modules:  # the docstrings' Sphinx roles (:class:`~lightning_pin.Pin`) read as code
+        page = (site / "reference" / "api" / module / "index.html").read_text()
+        assert not re.search(r":(func|class|meth|attr|data|mod|exc|obj):<code>", page), module
 
 
 def test_the_config_and_cli_references_are_generated_from_conf_and_the_parser(site):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import re
 import sys
 import typing
 from contextlib import redirect_stdout
@@ -27,7 +28,7 @@ from pathlib import Path
 import yaml
 from mkdocs.structure.files import File
 
-__all__ = ["api_modules", "cli_page", "config_page", "on_config", "on_files"]
+__all__ = ["api_modules", "cli_page", "config_page", "on_config", "on_files", "on_page_content"]
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_pin"
@@ -124,6 +125,22 @@ def cli_page() -> str:
     for name, sub in commands.choices.items():
         lines += [f"## `lightning-pin {name}`", "", "```text\n" + sub.format_help().rstrip() + "\n```", ""]
     return "\n".join(lines)
+
+
+#: A Sphinx role as the docstrings write it (``:class:`~lightning_pin.Pin```), as mkdocstrings renders it.
+SPHINX_ROLE = re.compile(r":(?:func|class|meth|attr|data|mod|exc|obj):<code>(~?)([\w.]+)</code>")
+
+
+def _role(match: re.Match) -> str:
+    # "~a.b.C" shows "C", as Sphinx does; the full path otherwise.
+    return f"<code>{match.group(2).rsplit('.', 1)[-1] if match.group(1) else match.group(2)}</code>"
+
+
+def on_page_content(html, page, config, files):
+    """The docstrings' Sphinx roles read as code, on the API pages."""
+    if page.file.src_uri.startswith(API_DIR + "/"):
+        return SPHINX_ROLE.sub(_role, html)
+    return html
 
 
 def on_config(config):
