@@ -128,7 +128,7 @@ def cli_page() -> str:
 
 
 #: A Sphinx role as the docstrings write it (``:class:`~lightning_pin.Pin```), as mkdocstrings renders it.
-SPHINX_ROLE = re.compile(r":(?:func|class|meth|attr|data|mod|exc|obj):<code>(~?)([\w.()]+)</code>")
+SPHINX_ROLE = re.compile(r":(?:func|class|meth|attr|data|mod|exc|obj):<code>(~?)([^<]+)</code>")
 
 
 def _role(match: re.Match) -> str:
