@@ -27,7 +27,7 @@ TORCH_URL := $(TORCH_INDEX)
 endif
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test docs clean
 
 install: $(STAMP)
 
@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml
 	        echo "make: no $(VISION_SPEC) that loads beside this torch; model=torchvision and data=cifar10 need it"; }; }; } || \
 	  { test -z "$(TORCH_URL)" || echo "make: no $(TORCH_SPEC) from $(TORCH_URL); trying the default index"; \
 	    $(PY) -m pip install -q "$(TORCH_SPEC)"; }; }
-	$(PY) -m pip install -q -e ".[dev,app,export,tune,cluster]"
+	$(PY) -m pip install -q -e ".[dev,app,export,tune,cluster,docs]"
 	$(PY) -m pip install -q --no-deps "$(TORCHAO_SPEC)"
 	touch $(STAMP)
 
@@ -57,5 +57,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist loadgroup
 
+# The docs site (mkdocs.yml, docs/), strict: a warning or a broken link fails the build. The reference
+# pages (API, CLI, config groups) are generated from the code by tools/docs_hooks.py while it builds.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) lightning_logs outputs multirun .pytest_cache .hypothesis build dist lightning_pin.egg-info
+	rm -rf $(VENV) site lightning_logs outputs multirun .pytest_cache .hypothesis build dist lightning_pin.egg-info

@@ -1,4 +1,4 @@
-"""Every option of the README's config-group table runs the app for one short epoch, and the app
+"""Every option of the config-group table of docs/how-to/hydra-app.md runs the app for one short epoch, and the app
 refuses lengths that would never end (``trainer.max_epochs=-1``) or never train.
 
 The runs go through :func:`lightning_pin.app.train.run` in this process (the subprocess path, Hydra's
@@ -21,7 +21,8 @@ from lightning_pin.app.train import PINNED_CKPT, run
 
 from test_config import CONF, compose_train
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+#: The page with the table of the app's config groups (the README's table before the docs site).
+TABLE_PAGE = Path(__file__).resolve().parents[1] / "docs" / "how-to" / "hydra-app.md"
 SHORT = [
     "trainer.max_epochs=1", "pretrain.max_epochs=1", "trainer.limit_train_batches=3", "trainer.limit_val_batches=2"
 ]
@@ -44,9 +45,9 @@ BLOCKS = {
 
 
 def table_rows() -> dict[str, str]:
-    """The README's ``| `group` | options |`` rows, by group."""
+    """The table's ``| `group` | options |`` rows, by group."""
     rows = {}
-    for line in README.read_text().splitlines():
+    for line in TABLE_PAGE.read_text().splitlines():
         match = re.match(r"\| `(\w+)` \| (.+) \|$", line)
         if match and (CONF / match.group(1)).is_dir():
             rows[match.group(1)] = match.group(2)
@@ -72,7 +73,7 @@ def test_the_table_names_every_option_of_every_group():
     rows = table_rows()
     assert {"data", "model", "optimizer", "pin", "trainer", "callbacks", "logger", "experiment"} <= set(rows)
     for group, option in table_options():
-        assert f"`{option}`" in rows[group], f"README's `{group}` row does not name `{option}`"
+        assert f"`{option}`" in rows[group], f"{TABLE_PAGE.name}'s `{group}` row does not name `{option}`"
     assert "early_stopping" in rows["callbacks"]
 
 

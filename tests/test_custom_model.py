@@ -1,4 +1,5 @@
-"""Your own model and data: the README's section "Your own model and data" run as written, each model kind
+"""Your own model and data: the tutorial docs/tutorials/fault-study-own-model.md (the README's section "Your own
+model and data" before the docs site) run as written, each model kind
 (a: its own configure_optimizers, b: takes the optimizer group, c: a plain nn.Module) through ``train``,
 ``faults`` and ``tune``, ``export`` + ``check`` of a model of your own, the default pins, ``metric=``, the
 one-line errors, the torchvision recipes and a lightning-hydra-template project using ``callbacks/pin.yaml``.
@@ -33,9 +34,9 @@ from lightning_pin.app.pins import UniformValues
 from lightning_pin.core.plan import fraction_indices
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
-SECTION = README[README.index("## Your own model and data"):]
-SECTION = SECTION[: SECTION.index("\n## ", 10)]
+#: The whole tutorial page; its section "In your own Hydra project" moved to docs/how-to/hydra-project.md.
+SECTION = (ROOT / "docs" / "tutorials" / "fault-study-own-model.md").read_text()
+HYDRA_PROJECT = (ROOT / "docs" / "how-to" / "hydra-project.md").read_text()
 CONSOLE = Path(sys.executable).parent / "lightning-pin"
 TINY = ["trainer.max_epochs=1", "pretrain.max_epochs=1", "trainer.limit_train_batches=3"]
 DATA = ["data=custom", "data._target_=mymodels.OwnData"]
@@ -594,7 +595,7 @@ if __name__ == "__main__":
 
 
 def test_the_template_callback_file_is_the_one_the_readme_shows():
-    assert TEMPLATE.read_text() in fenced("yaml")
+    assert TEMPLATE.read_text() in fenced("yaml", HYDRA_PROJECT)
 
 
 def test_a_template_style_project_trains_with_callbacks_pin(tmp_path, fork_runner):

@@ -1,9 +1,9 @@
-"""Every ```python block of README.md runs as written: each in a process of its own (forked from
-one that imported torch and Lightning: tests/readme_runner.py), in an empty directory, with a
-timeout. The README says which names stand for the user's own objects (its
-"stand for your own" sentence); only those come from tests/readme_user.py, and only into a block
-that uses them without defining them. Blocks added to the README later are picked up by the same
-extraction."""
+"""Every ```python block of README.md, CONTRIBUTING.md and the docs site's pages (docs/**/*.md) runs as
+written: each in a process of its own (forked from one that imported torch and Lightning:
+tests/readme_runner.py), in an empty directory, with a timeout. A page whose blocks use names that
+stand for the user's own objects says so (its "stand for your own" sentence); only those come from
+tests/readme_user.py, and only into a block that uses them without defining them. Blocks and pages added
+later are picked up by the same extraction: this is the one mechanism that runs the docs' examples."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: Every Markdown file whose examples run: the front door, the contributor notes and the docs site's pages.
+DOC_FILES = [README, ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
 #: The names the README calls the user's (tests/readme_user.py defines each).
 USER_NAMES = ("model", "datamodule", "loader", "optimizer", "loss_fn")
 TIMEOUT = 120  # seconds, per block: each should take a few (a loaded 2-core machine is slower)
@@ -36,26 +38,45 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
 def user_names_used(code: str) -> list[str]:
     """The user's names that ``code`` reads without creating them (assignment, import, def, for)."""
     used = []
+    code = re.sub(r"#.*", "", code)  # a comment that mentions "the model" reads nothing
     for name in USER_NAMES:
         if not re.search(rf"(?<![.\w]){name}(?!\w)", code):
             continue
         defines = (
             rf"(^\s*{name}\s*(:[^=]*)?=[^=])|(\bas\s+{name}\b)|(^\s*(def|class)\s+{name}\b)|(\bimport\b.*\b{name}\b)"
+            rf"|(^\s*[\w\s,]*\b{name}\b[\w\s,]*=[^=])"  # a tuple assignment: model, optimizer = build()
+            rf"|(\bdef\s+\w+\([^)]*\b{name}\b)"  # a function's parameter (def __init__(self, optimizer))
         )
         if not re.search(defines, code, re.M):
             used.append(name)
     return used
 
 
-BLOCKS = python_blocks(README.read_text())
+def doc_blocks() -> list[tuple[str, int, str]]:
+    """(file relative to the checkout, line, code) of every ```python block of every file of DOC_FILES."""
+    return [(path.relative_to(ROOT).as_posix(), line, code)
+            for path in DOC_FILES for line, code in python_blocks(path.read_text())]
 
 
-def test_the_readme_has_python_blocks_and_says_whose_names_they_use():
-    assert len(BLOCKS) >= 5
-    sentence = re.search(r"[^.]*stand for your own[^.]*\.", README.read_text().replace("\n", " "))
-    assert sentence, "README must say which names in its snippets are the user's"
-    for name in USER_NAMES:
-        assert f"`{name}`" in sentence.group(0), f"README's stand-in sentence does not name `{name}`"
+BLOCKS = doc_blocks()
+
+
+def stand_in_sentence(text: str) -> str | None:
+    sentence = re.search(r"[^.]*stand for your own[^.]*\.", text.replace("\n", " "))
+    return sentence.group(0) if sentence else None
+
+
+def test_the_docs_have_python_blocks_and_each_page_says_whose_names_its_blocks_use():
+    assert len([b for b in BLOCKS if b[0] == "README.md"]) >= 2  # the quick start of each door
+    assert len(BLOCKS) >= 20 and len({b[0] for b in BLOCKS}) >= 10
+    for path in DOC_FILES:
+        used = {name for _, code in python_blocks(path.read_text()) for name in user_names_used(code)}
+        if not used and path != README:
+            continue
+        sentence = stand_in_sentence(path.read_text())
+        assert sentence, f"{path.relative_to(ROOT)} must say which names in its snippets are the user's"
+        for name in USER_NAMES:
+            assert f"`{name}`" in sentence, f"{path.relative_to(ROOT)}'s stand-in sentence does not name `{name}`"
 
 
 def test_the_extraction_finds_indented_blocks_and_spots_the_user_names():
@@ -66,6 +87,9 @@ def test_the_extraction_finds_indented_blocks_and_spots_the_user_names():
     assert python_blocks(text) == [(3, "import torch\nx = model(1)\n"), (10, "model = 1\nprint(model)\n")]
     assert user_names_used("x = model(1)\nfor b in loader: pass") == ["model", "loader"]
     assert user_names_used("model = 1\nprint(model, my_model, self.optimizer)") == []
+    assert user_names_used("model, optimizer = build()\nprint(model, optimizer)") == []
+    assert user_names_used("def train(model, optimizer):\n    return 1\nx = 1  # the model's output") == []
+    assert user_names_used("def train(net):\n    return net\ntrain(model)") == ["model"]
 
 
 @pytest.fixture(scope="module")
@@ -87,20 +111,20 @@ def runner():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the runner forks a process per block")
-@pytest.mark.parametrize("line,code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
-def test_readme_block_runs_as_written(tmp_path, runner, line, code):
+@pytest.mark.parametrize("path,line,code", BLOCKS, ids=[f"{path}:{line}" for path, line, _ in BLOCKS])
+def test_doc_block_runs_as_written(tmp_path, runner, path, line, code):
     stand_ins = user_names_used(code)
     preamble = f"from readme_user import {', '.join(stand_ins)}\n" if stand_ins else ""
-    script = tmp_path / f"readme_line_{line}.py"
+    script = tmp_path / f"block_line_{line}.py"
     script.write_text(preamble + code)
     runner.stdin.write(json.dumps({"script": script.name, "cwd": str(tmp_path), "timeout": TIMEOUT}) + "\n")
     runner.stdin.flush()
     reply = runner.stdout.readline()
-    assert reply, "the README runner died"
+    assert reply, "the doc-block runner died"
     status = json.loads(reply)["status"]
     output = (tmp_path / "stdout.txt").read_text() + (tmp_path / "stderr.txt").read_text()
     why = "timed out" if status == -14 else f"exit status {status}"
-    assert status == 0, f"README.md line {line} failed ({why}):\n{code}\n--- output ---\n{output}"
+    assert status == 0, f"{path} line {line} failed ({why}):\n{code}\n--- output ---\n{output}"
 
 
 def test_the_runner_reports_a_failing_block_and_a_timeout(tmp_path, runner):

@@ -1,6 +1,7 @@
-"""README commands that must work where the README puts them: `lightning-pin report` right after `make demo`
-(the app's runs are under outputs/), and the "Installed as a package" install, which must give up on an
-unreachable CPU index within seconds and fall back to the default one."""
+"""Doc commands that must work where the docs put them: `lightning-pin report` right after `make demo`
+(docs/how-to/monitor.md; the app's runs are under outputs/), and the "Installed as a package" install
+(docs/getting-started.md), which must give up on an unreachable CPU index within seconds and fall back to the
+default one."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from test_train_app import TINY, run
 from lightning_pin import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+MONITOR = (ROOT / "docs" / "how-to" / "monitor.md").read_text()
+GETTING_STARTED = (ROOT / "docs" / "getting-started.md").read_text()
 
 
-def bash_blocks() -> list[str]:
-    return [m.group(1) for m in re.finditer(r"^```bash\n(.*?)^```$", README, re.M | re.S)]
+def bash_blocks(text: str) -> list[str]:
+    return [m.group(1) for m in re.finditer(r"^```bash\n(.*?)^```$", text, re.M | re.S)]
 
 
 def test_report_right_after_the_demo_reads_the_demos_run(tmp_path, fork_runner, monkeypatch, capsys):
@@ -30,7 +32,7 @@ def test_report_right_after_the_demo_reads_the_demos_run(tmp_path, fork_runner, 
     demo = run([sys.executable, "-m", "lightning_pin.train", *TINY], cwd=tmp_path, runner=fork_runner)
     assert demo.returncode == 0, demo.output
     (run_dir,) = (tmp_path / "outputs").glob("*/*")
-    (line,) = [line for block in bash_blocks() for line in block.splitlines() if line.startswith("lightning-pin report")]
+    (line,) = [line for block in bash_blocks(MONITOR) for line in block.splitlines() if line.startswith("lightning-pin report")]
     command = shlex.split(line.split("#")[0])
     monkeypatch.chdir(tmp_path)
     assert cli.main(command[1:]) == 0, capsys.readouterr().err
@@ -40,8 +42,8 @@ def test_report_right_after_the_demo_reads_the_demos_run(tmp_path, fork_runner, 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_the_package_install_falls_back_to_the_default_index_when_the_cpu_one_is_unreachable(tmp_path):
-    start = README.index("Installed as a package instead")
-    (block,) = [b for b in bash_blocks() if README.index(b) > start][:1]
+    start = GETTING_STARTED.index("Installed as a package instead")
+    (block,) = [b for b in bash_blocks(GETTING_STARTED) if GETTING_STARTED.index(b) > start][:1]
     # pip stands in for the real one: the CPU index cannot be reached, every other install succeeds.
     stub = 'pip() { echo "$*" >> calls; case "$*" in *whl/cpu*) return 1;; esac; }\n'
     result = subprocess.run(["bash", "-e", "-c", stub + block], cwd=tmp_path, capture_output=True, text=True,

@@ -9,7 +9,9 @@ from pathlib import Path
 from lightning_pin.app.train import print_summary
 from lightning_pin.reporting import faults as report
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+#: The README and every page of the docs site.
+DOCS = {path: path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]}
 
 
 def summary(**changes):
@@ -58,7 +60,8 @@ def test_the_divergence_advice_never_suggests_the_optimizer_the_jobs_used(capsys
 def test_the_readme_offers_the_fault_kinds_the_command_has():
     from lightning_pin.app.fault_pins import KINDS, fault_generator
 
-    assert "until your version has it" not in README
+    for path, text in DOCS.items():
+        assert "until your version has it" not in text, path
     for kind in KINDS:
         if kind != "value":
             fault_generator(kind)  # every kind the README lists has its generator

@@ -134,10 +134,10 @@ def test_export_checks_its_destination_before_rebuilding_the_model(tmp_path, cap
 
 
 def test_the_readmes_fault_map_pins_the_apps_cnn(tmp_path, train, fork_runner):
-    # The README's block writes chip.safetensors; the sentence after it runs the app with that map.
+    # The block of docs/how-to/fault-maps.md writes chip.safetensors; the sentence after it runs the app with that map.
     from test_readme import python_blocks
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "how-to" / "fault-maps.md").read_text()
     (block,) = [code for _, code in python_blocks(text) if 'save_fault_map(pins, "chip.safetensors")' in code]
     assert "pin=fault_map pin.fault_map=chip.safetensors" in text
     (tmp_path / "block.py").write_text(block)
