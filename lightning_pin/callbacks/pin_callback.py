@@ -390,6 +390,14 @@ class PinCallback(Callback):
         if self.engine is None:
             return
         pin_ids = self._checked_ids()
+        if not averaged:
+            # One sync for the whole check: count what is off on the device, name it only if any is.
+            count = self.engine.off_count(pin_ids)
+            if count is not None and self.buffers is not None and self.buffers.targets:
+                held = self.buffers.off_count()
+                count = None if held is None else count + held.to(count.device)
+            if count is not None and not bool(count):
+                return
         self._raise_if_off(self.engine.violations(pin_ids=pin_ids) + self._buffer_violations())
         for owner, module in averaged:
             parameters = dict(module.named_parameters(remove_duplicate=False))

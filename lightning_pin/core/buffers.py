@@ -161,6 +161,21 @@ class BufferHold:
         return engine.register_restore_hook(lambda stats: self.restore())
 
     @torch.no_grad()
+    def off_count(self) -> Optional[Tensor]:
+        """How many held elements of our module's buffers are off, as a 0-d tensor (no sync); None
+        when a buffer is gone or reshaped (:meth:`violations` says how)."""
+        counts = []
+        for name, target in self.targets.items():
+            try:
+                buffer = self.module.get_buffer(name)
+            except AttributeError:
+                return None
+            if buffer is None or buffer.shape != target.shape:
+                return None
+            counts.append((buffer.detach() != target.to(buffer.device)).sum())
+        return torch.stack(counts).sum() if counts else None
+
+    @torch.no_grad()
     def violations(self, module: Optional[nn.Module] = None, examples: int = 5) -> list[BufferViolation]:
         """Held buffers off their captured values (``torch.equal`` semantics), in ``module`` (default: ours)."""
         module = self.module if module is None else module
