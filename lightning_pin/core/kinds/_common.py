@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_pin.core.errors import PinError
+from lightning_pin.core.layouts import _Layout
 
 if TYPE_CHECKING:
     from lightning_pin.core.plan import Selection
@@ -106,8 +107,6 @@ def merge_paired(
     ``starts``. Returns the merged index (None: the whole tensor) and both sides, on the
     parameter's device. Syncs (deduplicating indices): it runs when the active pins change.
     """
-    from lightning_pin.core.layouts import _Layout
-
     device = parameter.device
     if len(pairs) == 1:
         index, merged = indices[0], list(pairs[0])
