@@ -97,7 +97,8 @@ def main() -> None:
             continue
         steady = counts[-1]
         results[kind] = steady
-        print(f"{kind:>16}: {steady:4d} calls per steady step ({steady / LAYERS:.1f} per tensor; first step {counts[0]})")
+        per_tensor = steady / LAYERS
+        print(f"{kind:>16}: {steady:4d} calls per steady step ({per_tensor:.1f} per tensor; first step {counts[0]})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -788,7 +788,7 @@ class PinEngine:
         None for sharded parameters, whose check is :meth:`violations`' own."""
         if self.sharded:
             return None
-        counts = [projection.off(projection.target.parameter.detach())[1].sum() for projection in self.projections(pin_ids)]
+        counts = [p.off(p.target.parameter.detach())[1].sum() for p in self.projections(pin_ids)]
         if not counts:
             return torch.zeros((), dtype=torch.long, device=self.device)
         return torch.stack(counts).sum()
