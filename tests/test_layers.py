@@ -204,3 +204,62 @@ def test_the_layer_reader_sees_upward_and_hidden_imports(tmp_path, monkeypatch):
         test_core_modules_import_only_their_layer_and_below()
     with pytest.raises(AssertionError):
         test_core_has_no_hidden_imports_but_the_listed_ones()
+
+
+# ------------------------------------------------------------------------------------------------
+# Public names on purpose
+
+
+def _bound_names(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level (definitions, assignments, imports, try/if branches)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node in tree.body:
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def test_every_module_says_what_it_exports_and_binds_it():
+    missing, unbound = [], {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        declared = [
+            node.value for node in tree.body
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+        ]
+        name = str(path.relative_to(PACKAGE))
+        if not declared:
+            missing.append(name)
+            continue
+        exported = ast.literal_eval(declared[0])
+        lazy = {"PinCallback", "PinMonitor"} if name == "__init__.py" else set()  # module __getattr__
+        absent = sorted(set(exported) - _bound_names(tree) - lazy)
+        if absent:
+            unbound[name] = absent
+    assert missing == [] and unbound == {}
+
+
+def test_the_package_exports_the_documented_api_and_nothing_else():
+    code = (
+        "import types, lightning_pin as lp; print(' '.join(sorted(n for n, v in vars(lp).items() "
+        "if not n.startswith('_') and not isinstance(v, types.ModuleType)))); print(' '.join(sorted(lp.__all__)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    names, exported = out.split("\n")[:2]
+    # PinCallback and PinMonitor load on first use (the Lightning layer): exported, not yet bound.
+    assert set(names.split()) | {"PinCallback", "PinMonitor"} == set(exported.split()) == {
+        "AccuracyGapError", "NeuronPin", "Pin", "PinCallback", "PinError", "PinHandle", "PinMonitor", "QuantCode", "pin",
+    }
+
+
+@pytest.mark.parametrize(
+    "statement", ["import lightning_pin", "from lightning_pin import PinCallback, pin, Pin"]
+)
+def test_the_package_imports_neither_hydra_nor_omegaconf(statement):
+    loaded = _modules_after(statement)
+    assert "torch" in loaded  # the reader sees what was imported (it can fail)
+    assert [m for m in loaded if m.split(".")[0] in ("hydra", "omegaconf")] == []

@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+__all__ = ["CIFAR10DataModule", "DigitsDataModule", "SyntheticDataModule"]
+
 
 class _SplitDataModule(L.LightningDataModule):
     """A train/val split of in-memory tensors, made by a seeded permutation."""

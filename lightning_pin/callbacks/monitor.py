@@ -43,6 +43,9 @@ from lightning_pin.callbacks.metrics import (
     pinned_indices,
 )
 
+__all__ = ["PREFIX", "PinMonitor", "Predict", "default_predict"]
+
+
 PREFIX = reporting.PREFIX
 Predict = Callable[[nn.Module, Any], tuple[Tensor, Tensor]]
 

@@ -35,6 +35,9 @@ from lightning_pin.core.plan import check_conflicts, check_targets_fit, refuse_s
 from lightning_pin.core.state import find_pin_states
 from lightning_pin.core.spec import Pin
 
+__all__ = ["PinCallback"]
+
+
 _VERIFY_CHOICES = ("step", "epoch", "end", "never")
 # Lightning precisions that cast the parameters themselves, in strategy.setup.
 _TRUE_PRECISION = {"16-true": torch.float16, "bf16-true": torch.bfloat16}

@@ -24,6 +24,8 @@ from lightning_pin.core import kinds
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import PinPlan, ResolvedPin
 
+__all__ = ["BufferHold", "BufferViolation", "freezes_modules", "held_buffers"]
+
 
 @dataclasses.dataclass
 class BufferViolation:

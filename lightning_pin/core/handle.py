@@ -49,6 +49,9 @@ from lightning_pin.core.modules import ParameterWatch, unwrap
 from lightning_pin.core.plan import PinPlan, check_conflicts, refuse_sparse_gradients, resolve
 from lightning_pin.core.spec import Pin
 
+__all__ = ["PinHandle", "PinsLike", "any_rank", "as_pins", "load_outputs", "pin", "ranks_agree", "unwrap_optimizer"]
+
+
 PinsLike = Union[Pin, Mapping[str, Any], Sequence[Union[Pin, Mapping[str, Any]]]]  # NeuronPins too
 
 # Live (not removed) handles by the module they pin: a second pin() on the same module is checked

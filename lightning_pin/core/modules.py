@@ -10,6 +10,9 @@ from torch import nn
 
 from lightning_pin.core.sharding import is_sharded
 
+__all__ = ["ParameterWatch", "unwrap"]
+
+
 # Wrapper attribute -> what it holds, outermost first: torch.compile's OptimizedModule keeps the
 # module in `_orig_mod`, Lightning Fabric's _FabricModule in `_original_module` (found by
 # attribute, so core never imports Lightning), DistributedDataParallel and DataParallel in `module`.

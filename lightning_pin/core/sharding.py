@@ -19,6 +19,12 @@ from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
 
+__all__ = [
+    "LocalPart", "PUT_LIMIT", "Target", "WIDE_LIMIT", "copy_at", "fill_at", "flat_view", "is_sharded", "local_part",
+    "local_tensor", "shared_zeros", "wide_index",
+]
+
+
 # torch.distributed.tensor costs seconds to import (it pulls in sympy), and a plain loop never
 # needs it: a tensor can only be a DTensor once that module has been imported by someone else.
 _DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # public from torch 2.4
@@ -343,4 +349,3 @@ def _is_dense(tensor: Tensor) -> bool:
             return False
         expected *= size
     return True
-

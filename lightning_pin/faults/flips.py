@@ -24,6 +24,9 @@ from lightning_pin.core.state import BITS_DTYPES
 from lightning_pin.faults._common import Params, check_fraction, check_seed, exact_name, floating_parameters
 from lightning_pin.faults.bits import BitSpec, _ranges, bit_positions, drawn_pairs
 
+__all__ = ["BitFlips", "Rewrite", "WordPatch", "changed_bits", "flip_bits", "forced_patch"]
+
+
 #: Set bits of every byte value (a popcount without torch.bitwise_count, which torch lacks).
 _POPCOUNT = torch.tensor([bin(b).count("1") for b in range(256)], dtype=torch.int64)
 

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from lightning_pin.core.plan import Selection
     from lightning_pin.core.spec import Pin
 
+__all__ = [
+    "clip", "coords", "first", "is_int", "merge_paired", "merge_rounds", "name_seed", "per_element",
+    "shared_positions", "sort_with_index",
+]
+
 
 def per_element(
     pin: Pin, name: str, field: str, tensor: Tensor, shape: tuple[int, ...], index: Tensor | None, count: int

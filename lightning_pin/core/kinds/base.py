@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from lightning_pin.core.spec import Pin
     from lightning_pin.core.state import SavedSelection
 
+__all__ = ["Expected", "Kind", "Reader", "Unreadable", "read_field", "show"]
+
+
 #: ``read(field, source)``: ``source`` (a Pin field) for the parameter being resolved: a file it
 #: names is loaded, a dict by parameter name gives this parameter's entry (see the plan).
 Reader = Callable[[str, Any], Any]

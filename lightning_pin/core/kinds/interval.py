@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from lightning_pin.core.spec import Pin
     from lightning_pin.core.state import SavedSelection
 
+__all__ = ["Interval", "bounds_for", "check_bounds", "describe_bounds"]
+
 
 class Interval(Kind):
     """Clamp into ``[low, high]`` (payload: ``low`` and ``high`` per element, last dimension 2).
@@ -407,5 +409,3 @@ def describe_bounds(low: Tensor, high: Tensor) -> str:
     if bool((low == lo).all()) and bool((high == hi).all()):
         return f"bounds [{lo:g}, {hi:g}]"
     return f"bounds per element within [{lo:g}, {hi:g}]"
-
-

@@ -40,6 +40,12 @@ if TYPE_CHECKING:
     from lightning_pin.core.spec import Pin
     from lightning_pin.core.state import SavedSelection
 
+__all__ = [
+    "QuantCode", "QuantizedCode", "Scale", "channels", "check_code", "code_of", "codes_of", "compute_dtype",
+    "dequantize", "named_scale", "stick",
+]
+
+
 Scale = Union[float, Tensor, str]
 
 

@@ -33,6 +33,12 @@ if TYPE_CHECKING:
     from lightning_pin.core.spec import Pin
     from lightning_pin.core.state import SavedSelection
 
+__all__ = [
+    "BITS_DTYPES", "EXPONENT_BITS", "StuckBits", "bits_dtype", "check_bits", "check_masks_hold", "describe_bits",
+    "overlapping_bits", "stuck_masks", "to_signed", "unsigned",
+]
+
+
 #: The signed integer type whose bits are a float type's bits (stuck-bit masks are held and saved in it).
 BITS_DTYPES = {
     torch.float64: torch.int64,
