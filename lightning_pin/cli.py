@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn, Optional
 
+__all__ = ["BAD_INPUT", "COMMANDS", "DEFAULT_EXPORT", "SUMMARIES", "TAKES_OVERRIDES", "build_parser", "main"]
+
 
 #: Exit status for bad input (missing, empty or unreadable files; data that would be lost; usage).
 BAD_INPUT = 2

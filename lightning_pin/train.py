@@ -6,6 +6,9 @@ from collections.abc import Sequence
 
 from lightning_pin.app.train import main
 
+__all__ = ["SWEEPER", "refuse_missing_sweeper"]
+
+
 #: What ``hparams_search=optuna`` needs, and what ``make`` installs instead (optuna >= 3 for ``lightning-pin tune``).
 SWEEPER = "hydra_plugins.hydra_optuna_sweeper"
 

@@ -67,7 +67,7 @@ def test_stuck_at_faults_on_digits_recover_and_the_report_says_so(tmp_path):
             for name, selection in rp.selections.items():
                 forced_model.get_parameter(name).view(-1)[selection.index] = rp.pin.value
 
-    callback = PinCallback(pins, verbose=False, monitor=PinMonitor(accuracy=True, tolerance=0.01))
+    callback = PinCallback(pins, verbose=False, monitor=PinMonitor(accuracy=True, tolerance=0.01, weight_drift=True))
     logger = CSVLogger(tmp_path, name="digits")
     trainer(max_epochs=6, logger=logger, log_every_n_steps=5, callbacks=[callback]).fit(model, data)
     callback.verify(model)

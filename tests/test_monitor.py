@@ -86,7 +86,7 @@ def known_pins() -> list[Pin]:
 
 def test_one_sgd_step_is_logged_as_computed_by_hand():
     logger = MemoryLogger()
-    cb = PinCallback(known_pins(), verbose=False)
+    cb = PinCallback(known_pins(), verbose=False, monitor=PinMonitor(weight_drift=True))
     trainer(max_steps=1, logger=logger, log_every_n_steps=1, callbacks=[cb]).fit(KnownGrads(), one_batch_per_step(1))
     (step, logged), = [(s, m) for s, m in logger.rows if "pin/drift_max" in m]
     assert step == 1  # logged after optimizer step 0, with the number of steps taken
@@ -130,7 +130,7 @@ class MeasureRecorder(Callback):
 
 def test_measures_and_logs_only_every_log_every_n_steps():
     logger, recorder = MemoryLogger(), MeasureRecorder()
-    cb = PinCallback(known_pins(), verbose=False)
+    cb = PinCallback(known_pins(), verbose=False, monitor=PinMonitor(weight_drift=True))
     tr = trainer(max_steps=7, logger=logger, log_every_n_steps=3, callbacks=[cb, recorder])
     tr.fit(KnownGrads(), one_batch_per_step(7))
     assert recorder.measured == [3, 6]
@@ -346,7 +346,7 @@ def test_csv_and_tensorboard_loggers_both_receive_the_metrics(pretrained, tmp_pa
     cb = PinCallback(
         [Pin("head.weight", indices=[(0, i) for i in range(16)], value=0.0)],
         verbose=False,
-        monitor=PinMonitor(accuracy=True),
+        monitor=PinMonitor(accuracy=True, weight_drift=True),
     )
     tr = trainer(max_epochs=2, logger=[csv, tb], log_every_n_steps=4, callbacks=[cb])
     tr.fit(copy.deepcopy(pretrained), learnable_loader(128, seed=1), learnable_loader(48, seed=2))
@@ -474,3 +474,28 @@ def test_bad_monitor_arguments_are_rejected_up_front(kwargs, match):
         PinMonitor(**kwargs)
     with pytest.raises(PinError, match="monitor must be"):
         PinCallback([], monitor="yes")
+
+
+def test_the_default_monitor_keeps_no_copy_of_the_weights():
+    """Weight drift (a copy of every trainable weight) is opt-in: the default logs no weight drift
+    and holds no copy while training; ``weight_drift=True`` logs it from a copy taken at train start."""
+    from lightning.pytorch.callbacks import Callback
+
+    class Probe(Callback):
+        def __init__(self, cb):
+            self.cb, self.copies = cb, []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.copies.append(self.cb.monitor._free is not None)
+
+    for weight_drift in (None, True):
+        logger = MemoryLogger()
+        monitor = PinMonitor() if weight_drift is None else PinMonitor(weight_drift=True)
+        cb = PinCallback(known_pins(), verbose=False, monitor=monitor)
+        probe = Probe(cb)
+        trainer(max_steps=2, logger=logger, log_every_n_steps=1, callbacks=[cb, probe]).fit(
+            KnownGrads(), one_batch_per_step(2)
+        )
+        assert probe.copies == [bool(weight_drift)] * 2
+        assert bool(logger.series("pin/weight_drift")) == bool(weight_drift)
+        assert logger.series("pin/drift_max")

@@ -18,7 +18,7 @@ from torch import nn
 from lightning_pin import Pin, PinError, pin
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.plan import resolve
-from lightning_pin.core.projections import Interval, StuckBits
+from lightning_pin.core.kinds import Interval, StuckBits
 from lightning_pin.core.sharding import Target
 
 INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}

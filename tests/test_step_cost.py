@@ -261,3 +261,29 @@ def test_indices_above_the_wide_limit_are_widened_per_call_and_still_hold(monkey
     assert recorder.conversions[3] > 0  # the other side of the trade
     selected = handle.engine.plan.pins[0].selections["0.weight"].index.long()
     assert torch.equal(model[0].weight.detach().view(-1)[selected], torch.full((selected.numel(),), 0.25))
+
+
+# ------------------------------------------------------------------------------------------------
+# Python calls per step: the step plan is built when the active pins change, not every step
+
+
+def _step_calls():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import step_calls
+    finally:
+        sys.path.pop(0)
+    return step_calls
+
+
+@pytest.mark.parametrize("kind", ["value", "stuck bits", "bounds", "quantized codes", "neurons"])
+def test_a_steady_step_makes_at_most_20_calls_plus_2_per_pinned_tensor(kind):
+    """Counted with sys.setprofile over lightning-pin's frames in a plain loop with AdamW (see
+    benchmarks/step_calls.py). Before the step plan: 90 (values) to 307 (quantized codes)."""
+    step_calls = _step_calls()
+    counts = step_calls.count_calls(kind, steps=5)
+    assert max(counts[2:]) <= step_calls.budget(), counts
+    assert counts[0] > counts[-1]  # the counter sees the first step's building (it can fail)

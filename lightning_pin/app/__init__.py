@@ -15,3 +15,5 @@
 - :mod:`lightning_pin.app.study` (``lightning-pin faults``) and :mod:`lightning_pin.app.tune`
   (``lightning-pin tune``): studies and searches over the app's jobs.
 """
+
+__all__ = []

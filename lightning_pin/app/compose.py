@@ -14,6 +14,9 @@ from typing import Optional, Union
 
 from omegaconf import DictConfig
 
+__all__ = ["SEARCHPATH", "compose_app", "with_config_dir"]
+
+
 SEARCHPATH = "hydra.searchpath"
 
 

@@ -28,6 +28,17 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+__all__ = [
+    "AdagradConfig", "AdamConfig", "AdamWConfig", "BitFaultsConfig", "CIFAR10DataConfig", "CNNClassifierConfig",
+    "CellFaultsConfig", "ClassifierConfig", "ContinualConfig", "DigitsDataConfig", "ElementPinsConfig",
+    "FaultMapConfig", "FaultPinsConfig", "FractionPinsConfig", "FreezeLayersConfig", "MLPClassifierConfig",
+    "MLPConfig", "NeuronFaultsConfig", "OptimizerConfig", "PathsConfig", "PerTaskConfig", "PinCallbackConfig",
+    "PinConfig", "PinMonitorConfig", "PinsConfig", "PretrainConfig", "RMSpropConfig", "SGDConfig", "SmallCNNConfig",
+    "SyntheticDataConfig", "TinyTransformerConfig", "TorchvisionClassifierConfig", "TrainConfig", "TrainerConfig",
+    "TransformerClassifierConfig", "register_configs",
+]
+
+
 # OmegaConf 2.3 has no Union type: keys that take "an int or a float" (limit_train_batches: 4 or
 # 0.25), "a string or a list" (params) or "a number, a list or a node" (value) are typed Any,
 # and the object they are passed to checks them (Lightning's Trainer, Pin, PinCallback).

@@ -31,6 +31,9 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.reporting.continual import PLOT_NAME, REPORT_NAME, print_comparison, write_continual_report
 from lightning_pin.tasks import AccuracyMatrix, TaskOwnership
 
+__all__ = ["CONTINUAL_CKPT", "METHODS", "TaskIncremental", "log", "run_continual", "split_tasks"]
+
+
 log = logging.getLogger("lightning_pin.train")
 
 CONTINUAL_CKPT = "continual.ckpt"

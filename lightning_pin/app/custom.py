@@ -34,6 +34,14 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+__all__ = [
+    "APP_BACKBONES", "BuiltModel", "CLASSIFIER", "ConfigError", "OWN_OPTIMIZER", "TORCHVISION", "WEIGHTS_2D",
+    "build_datamodule", "build_model", "check_keys", "data_target", "default_pin_names", "default_pins",
+    "expand_params", "importable", "is_app_data", "is_app_model", "locate", "log", "model_name",
+    "register_resolver", "takes", "work_dir_of",
+]
+
+
 log = logging.getLogger("lightning_pin.train")
 
 #: The app's own classifier, and the backbones it ships: their pins keep the app's patterns.

@@ -22,6 +22,8 @@ __all__ = [
     "SyntheticDataModule",
 ]
 
+__all__ = ["CIFAR10DataModule", "DigitsDataModule", "SyntheticDataModule"]
+
 
 class _SplitDataModule(L.LightningDataModule):
     """A train/val split of in-memory tensors, made by a seeded permutation."""

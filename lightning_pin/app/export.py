@@ -21,6 +21,9 @@ from omegaconf import OmegaConf
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TensorFileError, load_checkpoint
 
+__all__ = ["FORMATS", "check_destination", "example_input", "export_run", "load_run_model"]
+
+
 #: What ``--to`` may name.
 FORMATS = (".safetensors", ".onnx")
 

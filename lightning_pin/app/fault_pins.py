@@ -30,6 +30,12 @@ from lightning_pin.core.plan import resolve
 from lightning_pin.core.spec import Pin
 from lightning_pin.app.pins import random_fault_map
 
+__all__ = [
+    "KINDS", "VALUE_SEED_OFFSET", "check_kind", "draw_faults", "fault_generator", "modules_of", "save_faults",
+    "value_fault_map",
+]
+
+
 KINDS = ("value", "cell", "bit", "neuron")
 #: Offsets the value draw's seed from the cell draw's, so which cells fail and what they hold are independent.
 VALUE_SEED_OFFSET = 1_000_003

@@ -27,6 +27,9 @@ from typing_extensions import override
 from lightning_pin.app.custom import ConfigError
 from lightning_pin.callbacks.monitor import PinMonitor
 
+__all__ = ["LoggedMetric", "LoggedMetricMonitor", "MODES", "check_mode", "missing_metric"]
+
+
 MODES = ("max", "min")
 
 

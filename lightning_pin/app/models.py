@@ -11,6 +11,12 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+__all__ = [
+    "Classifier", "MLP", "OptimizerFactory", "SchedulerFactory", "SmallCNN", "TinyTransformer",
+    "torchvision_classifier", "torchvision_model",
+]
+
+
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 SchedulerFactory = Callable[[Optimizer], Any]
 

@@ -28,6 +28,8 @@ from lightning_pin.core.plan import fraction_indices, name_seed, resolve
 from lightning_pin.core.spec import Pin
 from lightning_pin.faults import load_fault_map
 
+__all__ = ["NormalValues", "UniformValues", "ValueGenerator", "fault_map_pins", "random_fault_map", "realize"]
+
 
 class ValueGenerator:
     """Makes the target values of one parameter: ``generator(name, parameter) -> Tensor`` of its shape."""

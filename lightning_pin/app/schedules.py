@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = ["task_a", "task_b"]
+
 
 def task_a(batch: Any, batch_idx: int) -> bool:
     """Task A's batches: the even ones."""

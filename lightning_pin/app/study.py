@@ -45,6 +45,12 @@ from lightning_pin.app.sweep import RUN_SUMMARY
 from lightning_pin.core.errors import PinError
 from lightning_pin.reporting import faults as report
 
+__all__ = [
+    "BASELINE_DIR", "ForcedCampaign", "HEARTBEAT", "JOBS_DIR", "JOB_LOG", "Job", "LAUNCHERS", "LAYERS_DIR", "LOG",
+    "PRETRAINED", "Progress", "STUDY_JSON", "STUDY_KINDS", "Study", "StudyError", "parse_rates", "run_study",
+]
+
+
 BASELINE_DIR = "baseline"
 JOBS_DIR = "jobs"
 LAYERS_DIR = "layers"
@@ -1110,6 +1116,3 @@ def _plain(value: Any) -> Any:
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
     return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
-
-
-

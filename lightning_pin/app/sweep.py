@@ -20,6 +20,12 @@ from omegaconf import DictConfig
 
 from lightning_pin.reporting import tables
 
+__all__ = [
+    "COLUMNS", "RUN_SUMMARY", "SWEEP_SUMMARY", "SweepSummary", "collect", "print_table", "shared_overrides",
+    "table_rows", "write_csv",
+]
+
+
 RUN_SUMMARY = "run_summary.json"
 SWEEP_SUMMARY = "sweep_summary.csv"
 
@@ -133,4 +139,3 @@ class SweepSummary(Callback):
         shared = shared_overrides(runs)
         title = f"lightning-pin sweep: {len(runs)} job(s), {path}"
         print_table(runs, title=title + (f"\nall jobs: {' '.join(shared)}" if shared else ""))
-

@@ -60,6 +60,14 @@ from lightning_pin.faults.quantize import quantize_pins
 from lightning_pin.core.spec import Pin
 from lightning_pin.reporting.report import REPORT_JSON, REPORT_PNG, settled_step
 
+__all__ = [
+    "CONFIG_DIR", "FAULT_MAP", "OPTIMIZABLE", "PINNED_CKPT", "PRETRAINED_CKPT", "TRACEBACK_ENV", "build_loggers",
+    "build_pin_callback", "build_pins", "build_trainer", "check_classes", "check_lengths", "diverged",
+    "find_config_dir", "load_weights", "log", "main", "make_summary", "metric_callbacks", "pin_report",
+    "print_summary", "run", "run_targets", "tracks_logged_metric",
+]
+
+
 log = logging.getLogger("lightning_pin.train")
 
 PRETRAINED_CKPT = "pretrained.ckpt"

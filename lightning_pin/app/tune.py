@@ -34,6 +34,12 @@ from typing_extensions import override
 from lightning_pin.app.compose import compose_app
 from lightning_pin.reporting import tune as tune_report
 
+__all__ = [
+    "DEFAULT_PARAMS", "EpochPruning", "Objective", "Param", "STUDY_DB", "SUMMARY_OBJECTIVES", "TRIAL_LOG", "Tune",
+    "TuneError", "check_config", "default_out", "prunes", "run_tune",
+]
+
+
 DEFAULT_PARAMS = ("optimizer.lr=log:3e-4:3e-2",)
 STUDY_DB = "tune.db"
 #: Where a trial's own output goes (its pin tables, reports, Lightning's messages): the console gets one line.

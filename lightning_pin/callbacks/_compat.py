@@ -20,6 +20,8 @@ try:  # lightning >= 2.6: WeightAveraging and EMAWeightAveraging
 except ImportError:
     WeightAveraging = None
 
+__all__ = ["averaged_modules", "runs_in_spawned_workers", "setup_validation_data", "watch_weight_averaging"]
+
 
 def runs_in_spawned_workers(trainer: pl.Trainer) -> bool:
     """Whether this fit runs in processes spawned from the user's (``ddp_spawn``, ``ddp_notebook``).

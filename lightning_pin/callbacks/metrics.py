@@ -30,6 +30,11 @@ from lightning_pin.core.kinds import ExactValue
 from lightning_pin.core.kinds import Kind as Projection
 from lightning_pin.core.plan import PinPlan
 
+__all__ = [
+    "FreeWeights", "PinDrift", "PinViolations", "WeightDrift", "count_off_target", "pinned_indices",
+    "top_level_groups",
+]
+
 
 class PinDrift(Metric):
     r"""How far the optimizer moved pinned elements in a step, measured before the restore.

@@ -5,8 +5,9 @@ measure and when, feeds the metrics of :mod:`lightning_pin.callbacks.metrics`, l
 trainer's loggers under ``pin/...`` and writes the report of :mod:`lightning_pin.reporting.report`.
 
 What it costs: pin drift and violations read the pinned elements once on logging steps (every
-``trainer.log_every_n_steps``); weight drift reads every trainable weight on those steps and keeps
-one copy of them from fit start. Between logging steps nothing is measured and nothing is synced
+``trainer.log_every_n_steps``); the default monitor keeps no copy of the weights. Weight drift
+(opt-in) reads every trainable weight on those steps and keeps one copy of them from fit start.
+Between logging steps nothing is measured and nothing is synced
 with the host. Accuracy tracking costs two passes over the validation data at train start (before
 and after forcing the pins), one forward per validation batch, and one pass at the end when
 training stopped after the last validation.
@@ -42,6 +43,9 @@ from lightning_pin.callbacks.metrics import (
     pinned_indices,
 )
 
+__all__ = ["PREFIX", "PinMonitor", "Predict", "default_predict"]
+
+
 PREFIX = reporting.PREFIX
 Predict = Callable[[nn.Module, Any], tuple[Tensor, Tensor]]
 
@@ -60,9 +64,10 @@ class PinMonitor:
       before the restore wrote them back: how hard training pushes against the pins;
     - ``pin/violations``: pinned elements off target, before the step's forward (anything that
       wrote to them since the last restore) and right after its restore. It must stay 0;
-    - ``pin/weight_drift``, ``pin/weight_drift_relative``, ``pin/weight_drift/<module>``: L2
-      distance of the free weights (trainable, never pinned) from their values at train start
-      (after a resume: at the resume), in total, relative to their norm, and per top-level module.
+    - with ``weight_drift=True``: ``pin/weight_drift``, ``pin/weight_drift_relative``,
+      ``pin/weight_drift/<module>``: L2 distance of the free weights (trainable, never pinned)
+      from their values at train start (after a resume: at the resume), in total, relative to
+      their norm, and per top-level module.
 
     With ``accuracy`` it also tracks whether a quality metric is preserved, on the validation data
     (``trainer.val_dataloaders``), with the model in eval mode: ``pin/<name>_baseline`` before any
@@ -80,8 +85,10 @@ class PinMonitor:
 
     Args:
         drift: Log pin drift and violations.
-        weight_drift: Log weight drift. It keeps a copy of the trainable weights from train start on
-            their devices: pass ``False`` for a model whose weights fit in memory only once.
+        weight_drift: Log weight drift (off by default). It costs a copy of every trainable weight
+            from train start, on its device (the model's weight memory once more: a 25M-parameter
+            float32 model holds 100 MB more), and a pass over them on logging steps. The other
+            metrics need only the pinned elements.
         accuracy: ``False``: no accuracy tracking. ``True``: top-1 accuracy (``MulticlassAccuracy``
             with ``average="micro"``, classes read from the model's output; ``BinaryAccuracy`` for
             one output). Or any torchmetrics ``Metric`` that returns one number, such as
@@ -130,7 +137,7 @@ class PinMonitor:
     def __init__(
         self,
         drift: bool = True,
-        weight_drift: bool = True,
+        weight_drift: bool = False,
         accuracy: Union[bool, Metric] = False,
         name: Optional[str] = None,
         tolerance: float = 0.01,

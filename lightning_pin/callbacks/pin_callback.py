@@ -35,6 +35,9 @@ from lightning_pin.core.plan import check_conflicts, check_targets_fit, refuse_s
 from lightning_pin.core.state import find_pin_states
 from lightning_pin.core.spec import Pin
 
+__all__ = ["PinCallback"]
+
+
 _VERIFY_CHOICES = ("step", "epoch", "end", "never")
 # Lightning precisions that cast the parameters themselves, in strategy.setup.
 _TRUE_PRECISION = {"16-true": torch.float16, "bf16-true": torch.bfloat16}
@@ -390,6 +393,14 @@ class PinCallback(Callback):
         if self.engine is None:
             return
         pin_ids = self._checked_ids()
+        if not averaged:
+            # One sync for the whole check: count what is off on the device, name it only if any is.
+            count = self.engine.off_count(pin_ids)
+            if count is not None and self.buffers is not None and self.buffers.targets:
+                held = self.buffers.off_count()
+                count = None if held is None else count + held.to(count.device)
+            if count is not None and not bool(count):
+                return
         self._raise_if_off(self.engine.violations(pin_ids=pin_ids) + self._buffer_violations())
         for owner, module in averaged:
             parameters = dict(module.named_parameters(remove_duplicate=False))

@@ -25,6 +25,8 @@ from typing_extensions import override
 
 from lightning_pin.core.errors import PinError
 
+__all__ = ["DistillFromBaseline", "StopWhenRecovered", "distillation_loss"]
+
 
 def distillation_loss(student: Tensor, teacher: Tensor, temperature: float = 2.0) -> Tensor:
     """``T^2 * KL(softmax(teacher / T) || softmax(student / T))``, averaged over the batch.

@@ -4,3 +4,5 @@ spec (:class:`Pin`, pure data) -> plan (resolve against a module, every input ch
 (mask, restore, optimizer statistics, checks) -> the front door :func:`pin` / :class:`PinHandle`;
 state (the saved pin-state format) and io (tensor files) beside them.
 """
+
+__all__ = []

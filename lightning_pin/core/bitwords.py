@@ -14,6 +14,8 @@ Example::
 
 from __future__ import annotations
 
+__all__ = ["describe_stuck", "hex_word"]
+
 
 def hex_word(value: int, width: int) -> str:
     """``value``'s low ``width`` bits as hex, zero-padded to the word (``0x40000000``); a signed

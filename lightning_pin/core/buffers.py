@@ -24,6 +24,8 @@ from lightning_pin.core import kinds
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import PinPlan, ResolvedPin
 
+__all__ = ["BufferHold", "BufferViolation", "freezes_modules", "held_buffers"]
+
 
 @dataclasses.dataclass
 class BufferViolation:
@@ -159,6 +161,21 @@ class BufferHold:
     def attach(self, engine: Any) -> RemovableHandle:
         """Restore the buffers after every restore of ``engine``; returns the removable handle."""
         return engine.register_restore_hook(lambda stats: self.restore())
+
+    @torch.no_grad()
+    def off_count(self) -> Optional[Tensor]:
+        """How many held elements of our module's buffers are off, as a 0-d tensor (no sync); None
+        when a buffer is gone or reshaped (:meth:`violations` says how)."""
+        counts = []
+        for name, target in self.targets.items():
+            try:
+                buffer = self.module.get_buffer(name)
+            except AttributeError:
+                return None
+            if buffer is None or buffer.shape != target.shape:
+                return None
+            counts.append((buffer.detach() != target.to(buffer.device)).sum())
+        return torch.stack(counts).sum() if counts else None
 
     @torch.no_grad()
     def violations(self, module: Optional[nn.Module] = None, examples: int = 5) -> list[BufferViolation]:

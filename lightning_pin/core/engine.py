@@ -129,6 +129,30 @@ def _step_stats(elements: int, device: torch.device, moved: Sequence[Tensor], af
     )
 
 
+@dataclasses.dataclass
+class _StepPlan:
+    """What a steady-state step of one optimizer runs under the active pins (see PinEngine._step_plan)."""
+
+    #: The engine's version it was built for (moves when the active pins or their targets change).
+    version: int
+    #: The optimizer's param-group sizes it was built for (fine-tuning adds groups mid-training).
+    layout: tuple[int, ...]
+    #: The merged value targets and fault projections on the optimizer's parameters.
+    owned: list[Target]
+    faults: list[Projection]
+    #: Pinned elements they hold (from shapes: no sync).
+    elements: int
+    #: The whole-tensor value targets among ``owned`` (their gradients are dropped before the step).
+    wholes: list[Target]
+    #: The restore of every element target and fault projection, one call each, constants bound.
+    kernels: list[Callable[[], None]]
+
+
+def _apply_to_parameter(projection: Projection) -> None:
+    """A projection's general restore on its parameter's data (the step plan's fallback kernel)."""
+    projection.apply(projection.target.parameter.data)
+
+
 class PinEngine:
     """Executes a :class:`PinPlan`: activation, gradient masking, restoring, optimizer state.
 
@@ -169,8 +193,19 @@ class PinEngine:
         # Gradient masks of the active pins by parameter name (see _build_grad_masks); None: stale.
         self._grad_masks: Optional[dict[str, Callable[[Tensor], None]]] = None
         self._grad_mask_pairs: list[tuple[Tensor, Callable[[Tensor], None]]] = []
-        # What restore() does for each optimizer (by id; None: all) under the current targets.
-        self._step_cache: dict[int, tuple[Any, ...]] = {}
+        # The step plan of each optimizer (by id; None: all): what a steady-state step runs, built
+        # when ``_version`` moves (the active pins or their captured targets change) or the
+        # optimizer's param groups do. See _step_plan.
+        self._step_plans: dict[int, _StepPlan] = {}
+        self._version = 0
+        # The pins active over a span of steps without `when` pins: (first step, end step, ids).
+        # ids_at answers from it until a pin's start or stop falls due.
+        self._span: tuple[int, int, frozenset[int]] = (0, 0, frozenset())
+        self._has_when = any(rp.when is not None for rp in plan.pins)
+        #: Whether any pin holds a whole tensor by value (their gradients are dropped before a step).
+        self.has_whole_pins = any(
+            s.index is None and _frozen(s) for rp in plan.pins for s in rp.selections.values()
+        )
         self._faults: dict[frozenset[int], list[Projection]] = {}
         # Observers of each restore: id -> (hook, wants_stats). See register_restore_hook.
         self._restore_hooks: OrderedDict[int, tuple[Callable[[Optional[StepStats]], None], Callable[[], bool]]] = (
@@ -202,11 +237,24 @@ class PinEngine:
     # Which pins are active
 
     def ids_at(self, step: int, when_hits: Iterable[int] = ()) -> frozenset[int]:
-        """Pins active at optimizer step ``step``; ``when`` pins only if their id is in ``when_hits``."""
+        """Pins active at optimizer step ``step``; ``when`` pins only if their id is in ``when_hits``.
+
+        Without ``when`` pins the answer is kept for the span of steps until the next start or
+        stop of a pin, and the same frozenset is returned over it (a steady step computes nothing).
+        """
+        first, end, ids = self._span
+        if first <= step < end and not self._has_when:
+            return ids
         hits = set(when_hits)
-        return frozenset(
+        ids = frozenset(
             i for i, rp in enumerate(self.plan.pins) if rp.in_window(step) and (rp.when is None or i in hits)
         )
+        if not self._has_when:
+            edges = [e for rp in self.plan.pins for e in (rp.pin.start_step, rp.pin.stop_step) if e is not None]
+            first = max([e for e in edges if e <= step], default=-(1 << 62))
+            end = min([e for e in edges if e > step], default=1 << 62)
+            self._span = (first, end, ids)
+        return ids
 
     def when_hits(
         self,
@@ -247,10 +295,12 @@ class PinEngine:
         overrode part of another (force one element of a frozen layer) hands it back.
         """
         new = frozenset(pin_ids)
+        if new == self.active:
+            return []  # keep the same object: what was built for it (step plan, parking) stays valid
         started = sorted(new - self.active)
         stopped = self.active - new
-        if new != self.active:
-            self._grad_masks = None
+        self._grad_masks = None
+        self._version += 1
         self.active = new
         if started:
             self._activate(started)
@@ -287,6 +337,7 @@ class PinEngine:
         for key in [k for k in self._targets if pin_id in k]:
             del self._targets[key]
         self._grad_masks = None
+        self._version += 1
 
     # ----------------------------------------------------------------------------------------
     # Targets
@@ -464,33 +515,63 @@ class PinEngine:
         """Set the gradients of wholly pinned tensors ``optimizer`` updates (default: all) to None,
         so torch optimizers skip them, state and weight decay included. Sharded tensors keep a
         (zero) gradient: FSDP2 needs their optimizer state to exist for distributed checkpoints."""
-        if self.whole_grads != "drop":
+        if self.whole_grads != "drop" or not self.has_whole_pins:
             return
-        for target in self._step_work(optimizer)[3]:
+        for target in self._step_plan(optimizer).wholes:
             grad = target.parameter.grad
-            if target.index is None and grad is not None and not is_sharded(grad):
+            if grad is not None and not is_sharded(grad):
                 target.parameter.grad = None
                 self._dropped.add(target.name)
 
     def _owned(self, optimizer: Optimizer | None) -> list[Target]:
-        return self._step_work(optimizer)[0]
+        return self._step_plan(optimizer).owned
 
     def _step_work(self, optimizer: Optimizer | None) -> tuple[list[Target], list[Projection], int, list[Target]]:
         """``(targets, fault projections, elements, whole-tensor targets)`` of the active pins on
-        ``optimizer``'s parameters (default: all), worked out once per set of active pins and
-        optimizer layout, not per step."""
+        ``optimizer``'s parameters (default: all): see :meth:`_step_plan`."""
+        plan = self._step_plan(optimizer)
+        return plan.owned, plan.faults, plan.elements, plan.wholes
+
+    def _step_plan(self, optimizer: Optimizer | None) -> _StepPlan:
+        """What a step of ``optimizer`` (default: all) runs under the active pins, built once per set
+        of active pins (and captured targets) and param-group layout, then reused step after step.
+
+        The check is written out (no helper, no comprehension): it runs at every step.
+        """
+        plan = self._step_plans.get(id(optimizer))
+        if plan is not None and plan.version == self._version:
+            if optimizer is None:
+                return plan
+            groups = optimizer.param_groups
+            layout = plan.layout
+            if len(groups) == len(layout):
+                same = True
+                for group, size in zip(groups, layout):
+                    if len(group["params"]) != size:
+                        same = False
+                        break
+                if same:
+                    return plan
+        return self._build_step_plan(optimizer)
+
+    def _build_step_plan(self, optimizer: Optimizer | None) -> _StepPlan:
         targets, faults = self.targets(), self.fault_projections()
         names = None if optimizer is None else self._names_of(optimizer)
-        cached = self._step_cache.get(id(optimizer))
-        if cached is None or cached[0] is not targets or cached[1] is not faults or cached[2] is not names:
-            owned = targets if names is None else [t for t in targets if t.name in names]
-            owned_faults = faults if names is None else [f for f in faults if f.name in names]
-            elements = sum(t.values.numel() for t in owned) + sum(f.elements for f in owned_faults)
-            wholes = [t for t in owned if t.index is None]
-            cached = self._step_cache[id(optimizer)] = (
-                targets, faults, names, (owned, owned_faults, elements, wholes)
-            )
-        return cached[3]
+        owned = targets if names is None else [t for t in targets if t.name in names]
+        owned_faults = faults if names is None else [f for f in faults if f.name in names]
+        elements = sum(t.values.numel() for t in owned) + sum(f.elements for f in owned_faults)
+        wholes = [t for t in owned if t.index is None]
+        kernels: list[Callable[[], None]] = []
+        for target in owned:
+            if target.index is not None:
+                kernels.append(target.kernel() or functools.partial(self._write, [target]))
+        for projection in owned_faults:
+            kernels.append(projection.kernel() or functools.partial(_apply_to_parameter, projection))
+        layout = () if optimizer is None else tuple(len(group["params"]) for group in optimizer.param_groups)
+        plan = self._step_plans[id(optimizer)] = _StepPlan(
+            self._version, layout, owned, owned_faults, elements, wholes, kernels
+        )
+        return plan
 
     @torch.no_grad()
     def mask_grads(self, optimizer: Optimizer | None = None) -> None:
@@ -501,7 +582,7 @@ class PinEngine:
         """
         self.drop_whole_grads(optimizer)
         masks = self._grad_masks if self._grad_masks is not None else self._build_grad_masks()
-        for target in self._owned(optimizer):
+        for target in self._step_plan(optimizer).owned:
             grad = target.parameter.grad
             if grad is not None:
                 masks[target.name](grad)
@@ -515,8 +596,31 @@ class PinEngine:
     @torch.no_grad()
     def restore(self, optimizer: Optimizer | None = None) -> None:
         """Write the targets of active pins into ``optimizer``'s parameters (default: all), then
-        call the restore hooks (with this restore's :class:`StepStats` when one asked for them)."""
-        owned, faults, elements, _ = self._step_work(optimizer)
+        call the restore hooks (with this restore's :class:`StepStats` when one asked for them).
+
+        A steady step runs the step plan's kernels, one call per pinned tensor with every constant
+        bound (see :meth:`_step_plan`); whole tensors, a compiled step's restores and measured
+        steps take the general path."""
+        plan = self._step_plan(optimizer)
+        hooks = self._restore_hooks
+        measure = False
+        if hooks:
+            for _, wants in hooks.values():
+                if wants():
+                    measure = True
+                    break
+        if measure or plan.wholes or self._fused:
+            self._restore_general(optimizer, plan, measure)
+            return
+        for kernel in plan.kernels:
+            kernel()
+        self.last_step_active = self.active
+        if hooks:
+            for hook, _ in list(hooks.values()):
+                hook(None)
+
+    def _restore_general(self, optimizer: Optimizer | None, plan: _StepPlan, measure: bool) -> None:
+        owned, faults, elements = plan.owned, plan.faults, plan.elements
         todo = owned
         if self._dropped:
             # A wholly pinned tensor whose grad was dropped was skipped by such an optimizer: it
@@ -531,7 +635,6 @@ class PinEngine:
                     )
                 ]
             self._dropped.difference_update(t.name for t in owned)
-        measure = self._wants_stats()
         # A compiled step (compile_step=True) already wrote the targets of what it updates.
         fused_names, fused_moved = self._fused.pop(id(optimizer), (frozenset(), None))
         fused = [t for t in todo if t.name in fused_names] if fused_names else []
@@ -679,6 +782,18 @@ class PinEngine:
         return flat.index_select(0, index)
 
     @torch.no_grad()
+    def off_count(self, pin_ids: Iterable[int] | None = None) -> Optional[Tensor]:
+        """How many pinned elements of the planned parameters are off target, as a 0-d device tensor
+        (no sync: read it once, then ask :meth:`violations` which ones only if it is not zero);
+        None for sharded parameters, whose check is :meth:`violations`' own."""
+        if self.sharded:
+            return None
+        counts = [p.off(p.target.parameter.detach())[1].sum() for p in self.projections(pin_ids)]
+        if not counts:
+            return torch.zeros((), dtype=torch.long, device=self.device)
+        return torch.stack(counts).sum()
+
+    @torch.no_grad()
     def violations(
         self, parameters: Mapping[str, Tensor] | None = None, pin_ids: Iterable[int] | None = None, examples: int = 5
     ) -> list[Violation]:
@@ -781,6 +896,7 @@ class PinEngine:
                 self._forget(pin_id)
         self.active = frozenset(saved.active & usable)
         self._grad_masks = None
+        self._version += 1
         last = saved.last_step_active
         self.last_step_active = None if last is None else frozenset(last & usable)
         return saved

@@ -1,6 +1,8 @@
 """The exceptions lightning-pin raises: PinError for bad input or a broken guarantee, AccuracyGapError
 when an accuracy guard trips."""
 
+__all__ = ["AccuracyGapError", "PinError"]
+
 
 class PinError(ValueError):
     """A pin spec that cannot be honoured, or pinned values found off target.

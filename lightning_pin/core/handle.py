@@ -49,6 +49,9 @@ from lightning_pin.core.modules import ParameterWatch, unwrap
 from lightning_pin.core.plan import PinPlan, check_conflicts, refuse_sparse_gradients, resolve
 from lightning_pin.core.spec import Pin
 
+__all__ = ["PinHandle", "PinsLike", "any_rank", "as_pins", "load_outputs", "pin", "ranks_agree", "unwrap_optimizer"]
+
+
 PinsLike = Union[Pin, Mapping[str, Any], Sequence[Union[Pin, Mapping[str, Any]]]]  # NeuronPins too
 
 # Live (not removed) handles by the module they pin: a second pin() on the same module is checked
@@ -178,6 +181,8 @@ class PinHandle:
         self._removed = False
         #: Buffers of the modules the pins freeze (BatchNorm running statistics), held with them.
         self.buffers = BufferHold(engine.plan, module)
+        # The active set the buffers were last updated for (updated again only when it changes).
+        self._buffers_active: Optional[frozenset[int]] = None
         self._compile_step = compile_step
         # What each pinned parameter was when the pins were resolved (core/modules.py): a step is
         # refused if the module holds another object under the name, or the tensor was cast or moved.
@@ -193,6 +198,7 @@ class PinHandle:
         self._end_of_backward: Optional[EndOfBackward] = None
         self._grad_hooks: list[RemovableHandle] = []
         self._masked_for: set[int] = set()
+        self._optimizer_ids = frozenset(id(o) for o in self.optimizers)
         # Ids of the optimizers the handle was given, and of optimizers they wrap (ZeroRedundancyOptimizer
         # steps its `optim` inside its own step, whose post-hook restores after): the global check
         # (_check_any_step) skips them.
@@ -283,6 +289,7 @@ class PinHandle:
         self._decided = {id(o) for o in self.optimizers}
         self.engine.set_active(self.engine.ids_at(self.step, self._hits))
         self.buffers.update(self.engine.active)
+        self._buffers_active = self.engine.active
 
     def _after_backward(self) -> None:
         if self._grouped:
@@ -293,7 +300,7 @@ class PinHandle:
                 self._handles.remove(hook)
             self._grad_hooks = []
             self._grouped = True
-        self._masked_for = {id(o) for o in self.optimizers}
+        self._masked_for = set(self._optimizer_ids)
 
     def _check_masked(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         """Before a step, in grouped mode: the gradients it reads were masked at the end of a backward.
@@ -349,9 +356,12 @@ class PinHandle:
         self._unhooked = still
 
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        self._check_module("before optimizer.step()")
+        # Runs at every step: the common case is written out (see benchmarks/step_calls.py).
+        if not self._watch.intact():
+            self._check_module("before optimizer.step()")
         if self._grouped:
-            self._check_masked(optimizer, args, kwargs)
+            if id(optimizer) not in self._masked_for:
+                self._check_masked(optimizer, args, kwargs)
         elif self._unhooked:
             self._hook_unfrozen()
         if self._has_when and id(optimizer) not in self._decided:
@@ -364,7 +374,8 @@ class PinHandle:
             for each in self.optimizers:
                 self.engine.reset_optimizer_state(each, self._pending_reset)
             self._pending_reset = []
-        self.engine.drop_whole_grads(optimizer)
+        if self.engine.has_whole_pins:
+            self.engine.drop_whole_grads(optimizer)
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._decided.discard(id(optimizer))
@@ -374,8 +385,10 @@ class PinHandle:
         self.step += 1
         # Pins whose window starts now are forced before the next forward; when pins keep this
         # batch's decision until the next batch_start.
-        self.engine.set_active(self.engine.ids_at(self.step, self._hits))
-        self.buffers.update(self.engine.active)
+        engine = self.engine
+        if engine.set_active(engine.ids_at(self.step, self._hits)) or self._buffers_active is not engine.active:
+            self.buffers.update(engine.active)
+            self._buffers_active = engine.active
         for hold in self.outputs.values():
             hold.set_step(self.step)
 

@@ -16,6 +16,9 @@ from typing import Any, Literal, Union
 import torch
 from torch import Tensor
 
+__all__ = ["Reason", "TENSOR_FILE_SUFFIXES", "TensorFileError", "load_checkpoint", "load_tensors"]
+
+
 #: Suffixes :func:`load_tensors` reads (``.bin``: ``torch.save`` files such as ``pytorch_model.bin``).
 TENSOR_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 

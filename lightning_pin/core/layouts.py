@@ -11,6 +11,8 @@ from torch import Tensor
 
 from lightning_pin.core.sharding import copy_at
 
+__all__ = []
+
 
 @dataclasses.dataclass
 class _Layout:

@@ -8,6 +8,11 @@ from typing import Any
 
 from torch import nn
 
+from lightning_pin.core.sharding import is_sharded
+
+__all__ = ["ParameterWatch", "unwrap"]
+
+
 # Wrapper attribute -> what it holds, outermost first: torch.compile's OptimizedModule keeps the
 # module in `_orig_mod`, Lightning Fabric's _FabricModule in `_original_module` (found by
 # attribute, so core never imports Lightning), DistributedDataParallel and DataParallel in `module`.
@@ -61,8 +66,6 @@ class ParameterWatch:
     """
 
     def __init__(self, module: nn.Module, parameters: Mapping[str, nn.Parameter]) -> None:
-        from lightning_pin.core.sharding import is_sharded
-
         self.module = module
         self._planned = {
             name: (parameter, parameter.dtype, parameter.device)

@@ -20,6 +20,8 @@ from torch.optim import Optimizer
 from lightning_pin.core.plan import PinPlan
 from lightning_pin.core.sharding import Target, fill_at, is_sharded
 
+__all__ = ["PARKED_VALUE", "StatisticsParking"]
+
 
 #: The value at which the engine keeps the second-moment statistics of pinned elements between
 #: their pin's start and stop (see :meth:`PinEngine.park_statistics`): a normal float, whose square
@@ -215,4 +217,3 @@ def _parked_buffers(
             if isinstance(buffer, Tensor) and buffer.shape == target.parameter.shape:
                 found.append((target, buffer))
     return found
-

@@ -31,6 +31,11 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
 from lightning_pin.core.spec import Pin, check_mask, coordinates, when_path
 
+__all__ = [
+    "PinPlan", "ResolvedPin", "Selection", "call_when", "check_conflicts", "check_targets_fit", "compact_index",
+    "fraction_indices", "name_seed", "refuse_sparse_gradients", "resolve", "resolve_when", "tied_names",
+]
+
 
 @dataclasses.dataclass
 class Selection:

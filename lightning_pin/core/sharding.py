@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.utils.weak
 from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
+
+__all__ = [
+    "LocalPart", "PUT_LIMIT", "Target", "WIDE_LIMIT", "copy_at", "fill_at", "flat_view", "is_sharded", "local_part",
+    "local_tensor", "shared_zeros", "wide_index",
+]
+
 
 # torch.distributed.tensor costs seconds to import (it pulls in sympy), and a plain loop never
 # needs it: a tensor can only be a DTensor once that module has been imported by someone else.
@@ -84,6 +90,28 @@ class Target:
         else:
             data.index_copy_(0, wide, values)
         return True
+
+    def kernel(self) -> Callable[[], None] | None:
+        """The restore of an element pin into the parameter's own (dense) data as one call with
+        everything bound (a step plan's entry); None where :meth:`restore_dense` cannot write it.
+        If the parameter's storage moves since, the call takes the general path."""
+        fast = self._fast_restore()
+        if fast is None:
+            return None
+        ptr, data, wide, values, by_put = fast
+        parameter = self.parameter
+
+        def restore() -> None:
+            if parameter.data_ptr() != ptr:
+                if not self.restore_dense():
+                    view, positions, targets = self.part(parameter.data)
+                    copy_at(view, positions, targets)
+            elif by_put:
+                data.put_(wide, values)
+            else:
+                data.index_copy_(0, wide, values)
+
+        return restore
 
     def mask_grad(self, grad: Tensor) -> None:
         """Zero the pinned elements of ``grad`` (all of it for a whole tensor): ``put_`` of shared
@@ -321,4 +349,3 @@ def _is_dense(tensor: Tensor) -> bool:
             return False
         expected *= size
     return True
-

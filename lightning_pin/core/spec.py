@@ -26,6 +26,9 @@ import torch
 
 from lightning_pin.core.errors import PinError
 
+__all__ = ["Pin", "PinValue", "check_mask", "check_value", "coordinates", "number_leaves", "when_path"]
+
+
 #: Anything that selects or supplies values: tensors, nested lists of numbers, file paths.
 PinValue = Union[None, float, int, Sequence[float], torch.Tensor, str, Mapping[str, Any]]
 

@@ -16,6 +16,12 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import resolve
 from lightning_pin.core.spec import Pin
 
+__all__ = [
+    "FaultPins", "Params", "arrivals", "check_fraction", "check_seed", "coordinates", "exact_name", "exact_pattern",
+    "finish", "floating_parameters", "in_dtype",
+]
+
+
 Params = Union[str, Sequence[str]]
 
 

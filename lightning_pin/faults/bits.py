@@ -29,6 +29,8 @@ from lightning_pin.faults._common import (
     floating_parameters,
 )
 
+__all__ = ["BitSpec", "bit_faults", "bit_positions", "code_bit_positions", "drawn_pairs"]
+
 
 BitSpec = Union[None, str, int, Iterable[Union[int, str]]]
 

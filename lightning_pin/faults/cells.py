@@ -26,6 +26,8 @@ from lightning_pin.faults._common import (
     in_dtype,
 )
 
+__all__ = ["cell_faults"]
+
 
 def cell_faults(
     module: nn.Module,

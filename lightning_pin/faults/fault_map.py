@@ -19,6 +19,8 @@ from lightning_pin.core.kinds.stuck_bits import unsigned
 from lightning_pin.core.spec import Pin
 from lightning_pin.faults._common import FaultPins, coordinates, exact_name, exact_pattern, finish
 
+__all__ = ["FIELDS", "INDICES", "PathLike", "SHAPE", "SPEC_FIELDS", "load_fault_map", "save_fault_map"]
+
 
 #: What a fault-map key after ``<parameter name>:`` may say, and what marks a healthy element there:
 #: each kind's fields (see :attr:`lightning_pin.core.kinds.base.Kind.map_fields`).

@@ -25,6 +25,9 @@ from lightning_pin.faults._common import Params, check_fraction, check_seed, exa
 from lightning_pin.faults.bits import BitSpec, _ranges, bit_positions, code_bit_positions, drawn_pairs
 from lightning_pin.faults.int8 import int8_codes, is_int8_weight, stored_code
 
+__all__ = ["BitFlips", "Rewrite", "WordPatch", "changed_bits", "flip_bits", "forced_patch"]
+
+
 #: Set bits of every byte value (a popcount without torch.bitwise_count, which torch lacks).
 _POPCOUNT = torch.tensor([bin(b).count("1") for b in range(256)], dtype=torch.int64)
 

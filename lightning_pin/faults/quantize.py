@@ -21,6 +21,8 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds.quant_code import QuantCode, compute_dtype, named_scale
 from lightning_pin.faults._common import Params, exact_pattern, floating_parameters
 
+__all__ = ["QuantizeHandle", "fake_quantize", "quantize", "quantize_codes", "quantize_pins", "weight_code"]
+
 
 class _RoundSTE(torch.autograd.Function):
     """``torch.round`` forward (exact), identity backward: the straight-through estimator."""

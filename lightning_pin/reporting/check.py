@@ -39,7 +39,14 @@ from lightning_pin.core import kinds
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
 from lightning_pin.core.state import PinState, SavedSelection, find_pin_states
-from lightning_pin.reporting.compare import differs
+from lightning_pin.core.kinds.value import differs
+
+__all__ = [
+    "ARTIFACT_SUFFIXES", "ArtifactCheck", "Candidate", "CheckError", "CheckResult", "EXPORT_EXTRA",
+    "MAX_CANDIDATES", "MAX_SHOWN", "OffTarget", "ParameterCheck", "PathLike", "SkippedPin", "check_artifacts",
+    "format_check", "print_check",
+]
+
 
 #: Suffixes :func:`check_artifacts` reads as artifacts.
 ARTIFACT_SUFFIXES = (".onnx",) + TENSOR_FILE_SUFFIXES

@@ -17,6 +17,12 @@ from typing import Any, Optional, Union
 
 from lightning_pin.reporting.tables import Column, print_table
 
+__all__ = [
+    "PLOT_NAME", "REPORT_NAME", "comparison_rows", "plot_accuracy_matrices", "print_comparison",
+    "write_continual_report",
+]
+
+
 REPORT_NAME = "continual_report.json"
 PLOT_NAME = "continual_accuracy.png"
 

@@ -23,8 +23,7 @@ from lightning_pin.core import kinds
 from lightning_pin.core.io import TensorFileError, load_checkpoint, load_tensors
 from lightning_pin.core.state import PinState, SavedSelection, find_pin_states
 from lightning_pin.reporting import check as _check
-from lightning_pin.reporting.compare import differs as _differs
-from lightning_pin.reporting.compare import select as _select
+from lightning_pin.core.kinds.value import differs as _differs
 from lightning_pin.reporting.tables import Column, print_table
 
 __all__ = [
@@ -37,6 +36,12 @@ __all__ = [
     "print_diff",
     "read_checkpoint",
 ]
+
+
+def _select(tensor: Tensor, index: Optional[Tensor]) -> Tensor:
+    """The elements at flat row-major ``index`` (every element when ``index`` is None)."""
+    flat = tensor.reshape(-1)
+    return flat if index is None else flat.index_select(0, index.long())
 
 
 @dataclasses.dataclass

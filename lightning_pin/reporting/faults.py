@@ -24,6 +24,13 @@ from typing import Any, Optional
 
 from lightning_pin.reporting import tables
 
+__all__ = [
+    "COLUMNS", "DEFAULT_OPTIMIZER", "FAULT_CURVE_CSV", "FAULT_CURVE_PNG", "LAYER_COLUMNS", "LAYER_CSV", "LAYER_PNG",
+    "MIN_SEEDS_FOR_CI", "aggregate", "job_row", "mean_ci", "plot_curve", "plot_layers", "preload", "print_curve",
+    "read_csv", "retrained", "short_names", "sort_rows", "t975", "write_csv",
+]
+
+
 FAULT_CURVE_CSV = "fault_curve.csv"
 FAULT_CURVE_PNG = "fault_curve.png"
 LAYER_CSV = "layer_sensitivity.csv"

@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, Optional
 
+__all__ = ["Preservation"]
+
 
 class Preservation:
     """Whether a quality metric came back: its baseline, forced and current values, the gap, the recovery.

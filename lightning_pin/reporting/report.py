@@ -24,6 +24,14 @@ from lightning_pin.reporting import tensorboard
 from lightning_pin.reporting.preservation import Preservation
 from lightning_pin.reporting.tables import Column, print_table
 
+__all__ = [
+    "METRICS_CSV", "PREFIX", "REPORT_JSON", "REPORT_PNG", "ReportError", "build_figure", "check_destination",
+    "find_metrics_csv", "make_report", "plot_report", "print_report", "read_metrics_csv", "read_report",
+    "read_run_metrics", "recovery_text", "refuse_less_data", "report_from_csv", "report_rows", "report_size",
+    "settled_step", "write_report",
+]
+
+
 REPORT_JSON = "pin_report.json"
 REPORT_PNG = "pin_report.png"
 METRICS_CSV = "metrics.csv"

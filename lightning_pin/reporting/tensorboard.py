@@ -12,6 +12,9 @@ import struct
 from pathlib import Path
 from typing import Optional, Union
 
+__all__ = ["EVENTS_GLOB", "TensorBoardMissing", "Truncated", "find_truncated", "has_events", "read_scalars"]
+
+
 #: How TensorBoard names its event files.
 EVENTS_GLOB = "events.out.tfevents.*"
 

@@ -21,6 +21,12 @@ from typing import Any, Optional
 
 from lightning_pin.reporting import tables
 
+__all__ = [
+    "PARETO_PNG", "PERCENT", "QUANTITIES", "TRIALS_CSV", "TRIALS_PNG", "front_sorted", "plot_front", "plot_trials",
+    "print_front", "print_trials", "quantity", "write_trials",
+]
+
+
 TRIALS_CSV = "trials.csv"
 PARETO_PNG = "pareto.png"
 TRIALS_PNG = "trials.png"

@@ -11,6 +11,9 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
+__all__ = []
+
+
 _FORMAT = "lightning_pin.tasks"
 _VERSION = 2  # 2: the values prune(release="keep") set aside
 _READS = (1, 2)
@@ -61,4 +64,3 @@ def _feed(digest: Any, name: str, tensor: Tensor) -> None:
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     digest.update(f"{name}:{flat.dtype}:{flat.numel()}:".encode())
     digest.update(flat.view(torch.uint8).numpy().tobytes())
-

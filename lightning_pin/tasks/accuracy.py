@@ -13,6 +13,8 @@ from lightning_pin.core.errors import PinError
 if TYPE_CHECKING:
     from lightning_pin.tasks.ownership import TaskOwnership
 
+__all__ = ["AccuracyMatrix"]
+
 
 class AccuracyMatrix:
     """The accuracy matrix of a sequence of tasks: ``R[i][j]`` is the accuracy on task ``j``
@@ -157,4 +159,3 @@ class AccuracyMatrix:
             "fingerprints": {str(i): {str(j): fp for j, fp in f.items()} for i, f in self.fingerprints.items()},
             "fingerprints_unchanged": unchanged if self.fingerprints else None,
         }
-

@@ -6,6 +6,8 @@ import hashlib
 
 from lightning_pin.tasks._common import _COMMITTED, _feed
 
+__all__ = ["OwnershipInspection"]
+
 
 class OwnershipInspection:
     """The inspection half of :class:`~lightning_pin.tasks.TaskOwnership` (read only)."""
@@ -44,4 +46,3 @@ class OwnershipInspection:
         """The free fraction of all shared elements together."""
         total = sum(o.numel() for o in self.owner.values())
         return float(sum(int((o == 0).sum()) for o in self.owner.values())) / max(total, 1)
-

@@ -26,6 +26,8 @@ from lightning_pin.tasks._common import (
 from lightning_pin.tasks.inspection import OwnershipInspection
 from lightning_pin.tasks.saved import SavedOwnership
 
+__all__ = ["TaskOwnership"]
+
 
 class TaskOwnership(SavedOwnership, OwnershipInspection):
     """An owner per element of chosen parameters: PackNet-style task ownership held by pins.
@@ -383,4 +385,3 @@ class TaskOwnership(SavedOwnership, OwnershipInspection):
         if self.norm == "first":
             return self._norm_snapshots.get(1)
         return self._norm_snapshots.get(task) if status == _COMMITTED else None
-

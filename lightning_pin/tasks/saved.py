@@ -10,6 +10,8 @@ import torch
 from lightning_pin.core.errors import PinError
 from lightning_pin.tasks._common import _FORMAT, _READS, _VERSION
 
+__all__ = ["SavedOwnership"]
+
 
 class SavedOwnership:
     """The saved-state half of :class:`~lightning_pin.tasks.TaskOwnership`."""

@@ -10,10 +10,16 @@ import torch
 from torch import Tensor
 
 from lightning_pin.core.errors import PinError
+from lightning_pin.core.layouts import _Layout
 
 if TYPE_CHECKING:
     from lightning_pin.core.plan import Selection
     from lightning_pin.core.spec import Pin
+
+__all__ = [
+    "clip", "coords", "first", "is_int", "merge_paired", "merge_rounds", "name_seed", "per_element",
+    "shared_positions", "sort_with_index",
+]
 
 
 def per_element(
@@ -106,8 +112,6 @@ def merge_paired(
     ``starts``. Returns the merged index (None: the whole tensor) and both sides, on the
     parameter's device. Syncs (deduplicating indices): it runs when the active pins change.
     """
-    from lightning_pin.core.layouts import _Layout
-
     device = parameter.device
     if len(pairs) == 1:
         index, merged = indices[0], list(pairs[0])

@@ -21,12 +21,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 import torch
 from torch import Tensor
 
-from lightning_pin.core.sharding import Target, copy_at, wide_index
+from lightning_pin.core.sharding import Target, copy_at, is_sharded, wide_index
 
 if TYPE_CHECKING:
     from lightning_pin.core.plan import Selection
     from lightning_pin.core.spec import Pin
     from lightning_pin.core.state import SavedSelection
+
+__all__ = ["Expected", "Kind", "Reader", "Unreadable", "read_field", "show"]
+
 
 #: ``read(field, source)``: ``source`` (a Pin field) for the parameter being resolved: a file it
 #: names is loaded, a dict by parameter name gives this parameter's entry (see the plan).
@@ -319,6 +322,29 @@ class Kind:
     def apply(self, tensor: Tensor) -> None:
         """Project ``tensor`` (the parameter's data, or a copy of the weights) in place."""
         raise NotImplementedError
+
+    def kernel(self) -> Optional[Callable[[], None]]:
+        """:meth:`apply` on the parameter's own data as one call with every constant bound: what a
+        step plan runs after each optimizer step while the active pins stay the same. Built when
+        they change (it may sync); None (the default) runs :meth:`apply` instead."""
+        return None
+
+    def _dense(self) -> Optional[tuple[torch.nn.Parameter, int, Tensor, Optional[Tensor]]]:
+        """``(parameter, data_ptr, view, positions)`` for a kernel on a dense parameter: ``view`` is
+        its data (flat for element pins, positions int64), or None where only :meth:`apply` can
+        work (sharded, permuted, or too many elements to keep a second index)."""
+        parameter = self.target.parameter
+        data = parameter.data
+        if is_sharded(data):
+            return None
+        if self.target.index is None:
+            return parameter, parameter.data_ptr(), data, None
+        if not data.is_contiguous():
+            return None
+        wide = wide_index(self.target.index.to(data.device))
+        if wide is None:
+            return None
+        return parameter, parameter.data_ptr(), data.view(-1), wide
 
     def drift(self, tensor: Tensor) -> Tensor:
         """``|x - P(x)|`` of the elements, flat, in float32 or wider (0 where they hold)."""

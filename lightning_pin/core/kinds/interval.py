@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from lightning_pin.core.spec import Pin
     from lightning_pin.core.state import SavedSelection
 
+__all__ = ["Interval", "bounds_for", "check_bounds", "describe_bounds"]
+
 
 class Interval(Kind):
     """Clamp into ``[low, high]`` (payload: ``low`` and ``high`` per element, last dimension 2).
@@ -212,6 +214,34 @@ class Interval(Kind):
         else:
             self._update_at(view, positions, lambda values: values.clamp_(min=low, max=high))
 
+    def kernel(self) -> Optional[Callable[[], None]]:
+        dense = self._dense()
+        if dense is None:
+            return None
+        parameter, ptr, view, wide = dense
+        low, high = self._halves(self.target.values, view.device, view.dtype)
+        apply = self.apply
+        if wide is None:
+
+            def clamp_whole() -> None:
+                if parameter.data_ptr() != ptr:
+                    apply(parameter.data)
+                else:
+                    view.clamp_(min=low, max=high)
+
+            return clamp_whole
+        scratch = torch.empty(wide.numel(), dtype=view.dtype, device=view.device)
+
+        def clamp() -> None:
+            if parameter.data_ptr() != ptr:
+                apply(parameter.data)
+                return
+            torch.index_select(view, 0, wide, out=scratch)
+            scratch.clamp_(min=low, max=high)
+            view.index_copy_(0, wide, scratch)
+
+        return clamp
+
     def drift(self, tensor: Tensor) -> Tensor:
         actual, low, high = self._flat(tensor)
         wide = actual.double()
@@ -379,5 +409,3 @@ def describe_bounds(low: Tensor, high: Tensor) -> str:
     if bool((low == lo).all()) and bool((high == hi).all()):
         return f"bounds [{lo:g}, {hi:g}]"
     return f"bounds per element within [{lo:g}, {hi:g}]"
-
-

@@ -548,6 +548,8 @@ class NeuronHold:
         self._active = frozenset(i for i, p in enumerate(self.pins) if p.in_window(0))
         self._composed: dict[tuple[str, frozenset[int]], _Composed] = {}
         self._seen: dict[str, tuple[int, ...]] = {}
+        # The steps [first, end) over which set_step has nothing to change (no start or stop).
+        self._span: tuple[int, int] = (0, 0)
         self._paused = False
 
     # --------------------------------------------------------------------------------------
@@ -556,7 +558,13 @@ class NeuronHold:
     def set_step(self, step: int) -> None:
         """Make the pins in their window at optimizer step ``step`` active (host-side only)."""
         self.step = step
+        first, end = self._span
+        if first <= step < end:  # no pin starts or stops in between: nothing to decide
+            return
         active = frozenset(i for i, p in enumerate(self.pins) if p.in_window(step))
+        edges = [e for p in self.pins for e in (p.start_step or 0, p.stop_step) if e is not None]
+        self._span = (max([e for e in edges if e <= step], default=-(1 << 62)),
+                      min([e for e in edges if e > step], default=1 << 62))
         if active != self._active:
             self._active = active
 
@@ -592,7 +600,16 @@ class NeuronHold:
             if self._paused:
                 return None
             first = output[0] if isinstance(output, tuple) else output
-            composed = self._composed_for(name, first)
+            # The lookup of _composed_for, written out: it runs at every forward of every module.
+            composed = None
+            if isinstance(first, Tensor):
+                composed = self._composed.get((name, self._active, first.dtype, first.device))
+                if composed is not None and (
+                    first.dim() != len(composed.shape) or self._seen.get(name) != tuple(first.shape[1:])
+                ):
+                    composed = None
+            if composed is None:
+                composed = self._composed_for(name, first)
             if not composed.writes:
                 return None
             stuck = composed.apply(first)

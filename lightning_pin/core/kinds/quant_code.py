@@ -40,6 +40,12 @@ if TYPE_CHECKING:
     from lightning_pin.core.spec import Pin
     from lightning_pin.core.state import SavedSelection
 
+__all__ = [
+    "QuantCode", "QuantizedCode", "Scale", "channels", "check_code", "code_of", "codes_of", "compute_dtype",
+    "dequantize", "named_scale", "stick",
+]
+
+
 Scale = Union[float, Tensor, str]
 
 
@@ -609,6 +615,41 @@ class QuantizedCode(Kind):
             flat.copy_(self._held(flat, flat.device))
         else:
             self._update_at(view, positions, lambda gathered: gathered.copy_(self._held(gathered, gathered.device)))
+
+    def kernel(self) -> Optional[Callable[[], None]]:
+        # The constants of _held (scales per element, code-bit masks) bound once: the restore is
+        # then the arithmetic alone. A learned scale (code.named) is read at every restore: apply.
+        dense = self._dense()
+        if dense is None or self.code.named:
+            return None
+        parameter, ptr, view, wide = dense
+        if wide is None and not view.is_contiguous():
+            return None
+        flat = view.reshape(-1)
+        device, dtype, compute = flat.device, flat.dtype, self._compute
+        s = self._scales(device)
+        zero, one = self._halves(self.target.values, device, torch.int32)
+        code = self.code
+        zero_point, qmin, qmax, bits, signed = code.zero_point, code.qmin, code.qmax, code.bits, code.signed
+        keep = ((1 << bits) - 1) & ~zero  # stick()'s (q & full) & ~zero in one mask
+        apply = self.apply
+        scratch = flat if wide is None else torch.empty(wide.numel(), dtype=dtype, device=device)
+
+        def restore() -> None:
+            if parameter.data_ptr() != ptr:
+                apply(parameter.data)
+                return
+            if wide is not None:
+                torch.index_select(flat, 0, wide, out=scratch)
+            codes = torch.clamp(torch.round(scratch.to(compute) / s) + zero_point, qmin, qmax).to(torch.int32)
+            pattern = (codes & keep) | one
+            if signed:
+                pattern = pattern - ((pattern >> (bits - 1)) & 1) * (1 << bits)
+            scratch.copy_(((pattern - zero_point).to(compute) * s).to(dtype))
+            if wide is not None:
+                flat.index_copy_(0, wide, scratch)
+
+        return restore
 
     def drift(self, tensor: Tensor) -> Tensor:
         _, _, _, actual = self._elements(tensor)

@@ -33,6 +33,12 @@ if TYPE_CHECKING:
     from lightning_pin.core.spec import Pin
     from lightning_pin.core.state import SavedSelection
 
+__all__ = [
+    "BITS_DTYPES", "EXPONENT_BITS", "StuckBits", "bits_dtype", "check_bits", "check_masks_hold", "describe_bits",
+    "overlapping_bits", "stuck_masks", "to_signed", "unsigned",
+]
+
+
 #: The signed integer type whose bits are a float type's bits (stuck-bit masks are held and saved in it).
 BITS_DTYPES = {
     torch.float64: torch.int64,
@@ -260,6 +266,36 @@ class StuckBits(Kind):
             ints.bitwise_and_(keep).bitwise_or_(set_)
         else:
             self._update_at(ints, positions, lambda bits: bits.bitwise_and_(keep).bitwise_or_(set_))
+
+    def kernel(self) -> Optional[Callable[[], None]]:
+        dense = self._dense()
+        if dense is None:
+            return None
+        parameter, ptr, view, wide = dense
+        payload = self.target.values
+        ints = view.view(payload.dtype)
+        keep, set_ = self._halves(payload, ints.device, payload.dtype)
+        apply = self.apply
+        if wide is None:
+
+            def stick_whole() -> None:
+                if parameter.data_ptr() != ptr:
+                    apply(parameter.data)
+                else:
+                    ints.bitwise_and_(keep).bitwise_or_(set_)
+
+            return stick_whole
+        scratch = torch.empty(wide.numel(), dtype=ints.dtype, device=ints.device)
+
+        def stick() -> None:
+            if parameter.data_ptr() != ptr:
+                apply(parameter.data)
+                return
+            torch.index_select(ints, 0, wide, out=scratch)
+            scratch.bitwise_and_(keep).bitwise_or_(set_)
+            ints.index_copy_(0, wide, scratch)
+
+        return stick
 
     def drift(self, tensor: Tensor) -> Tensor:
         actual, keep, set_ = self._flat(tensor)

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from lightning_pin.core.spec import Pin
     from lightning_pin.core.state import SavedSelection
 
+__all__ = ["ExactValue", "differs"]
+
+
 _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
