@@ -183,12 +183,14 @@ def test_diff_on_a_missing_file_exits_2_naming_it(tmp_path, capsys):
 @pytest.mark.parametrize(
     "make, phrase",
     [
-        (lambda p: p.write_bytes(b"not a zip, not a pickle"), "cannot load"),
+        (lambda p: p.write_bytes(b"not a zip, not a pickle"), "is not a PyTorch or safetensors file"),
+        (lambda p: p.write_bytes(b""), "is empty (0 bytes)"),
+        (lambda p: torch.save({"w": torch.zeros(256)}, p) or p.write_bytes(p.read_bytes()[:300]), "is truncated"),
         (lambda p: torch.save([1, 2, 3], p), "holds neither a Lightning checkpoint nor a state dict"),
         (lambda p: torch.save({}, p), "holds neither a Lightning checkpoint nor a state dict"),
         (lambda p: p.mkdir(), "is a directory"),
     ],
-    ids=["garbage", "list", "empty-dict", "directory"],
+    ids=["garbage", "empty-file", "truncated", "list", "empty-dict", "directory"],
 )
 def test_diff_on_an_unreadable_file_exits_2_naming_it(tmp_path, capsys, make, phrase):
     weights, state = _model_and_state()
