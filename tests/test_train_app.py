@@ -310,3 +310,16 @@ def test_true_half_precision_run_tracks_accuracy_and_holds_the_pins(tmp_path, tr
     report = json.loads((tmp_path / "pin_report.json").read_text())
     assert report["violations"] == 0 and None not in (report["baseline"], report["forced"], report["final"])
     assert state_dict(tmp_path / "pinned.ckpt")["backbone.head.weight"].dtype == torch.bfloat16
+
+
+def test_a_run_that_ends_at_chance_says_so_in_its_summary_and_draws_the_chance_line(tmp_path, train):
+    """Every weight frozen at 0: the model guesses one class. The summary and run_summary.json say "at chance"
+    (as the faults study's diverged column does), with the accuracy of guessing; the figure is redrawn with it."""
+    result = train(*TINY, "pin=freeze_layers", "pin.pins=[{params: '*', value: 0.0}]", f"hydra.run.dir={tmp_path}",
+                   cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    summary = json.loads((tmp_path / "run_summary.json").read_text())
+    assert summary["chance"] == 0.1 and summary["final"] <= 0.12  # digits: 10 classes
+    assert summary["outcome"] == "at chance" and summary["diverged"] is True
+    assert "  outcome   AT CHANCE: the final accuracy is no better than guessing (guessing scores 0.100)" in result.stdout
+    assert (tmp_path / "pin_report.png").stat().st_size > 0
