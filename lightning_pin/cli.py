@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "run_dir", help="the run's log directory (metrics.csv or events.out.tfevents.*), or a parent of it"
     )
-    report.add_argument("--out", help="where to write the report files (default: the app run directory the metrics are in, else "
-                        "beside metrics.csv)")
+    report.add_argument("--out", help="where to write the report files (default: the app run directory the "
+                        "metrics are in, else beside metrics.csv)")
     report.add_argument("--metric", help="name of the tracked metric (default: found in the CSV)")
     report.add_argument("--tolerance", type=float, help="gap that counts as recovered (default: as logged, or 0.01)")
     report.add_argument(

@@ -321,5 +321,6 @@ def test_a_run_that_ends_at_chance_says_so_in_its_summary_and_draws_the_chance_l
     summary = json.loads((tmp_path / "run_summary.json").read_text())
     assert summary["chance"] == 0.1 and summary["final"] <= 0.12  # digits: 10 classes
     assert summary["outcome"] == "at chance" and summary["diverged"] is True
-    assert "  outcome   AT CHANCE: the final accuracy is no better than guessing (guessing scores 0.100)" in result.stdout
+    said = "  outcome   AT CHANCE: the final accuracy is no better than guessing (guessing scores 0.100)"
+    assert said in result.stdout
     assert (tmp_path / "pin_report.png").stat().st_size > 0
