@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "run_dir", help="the run's log directory (metrics.csv or events.out.tfevents.*), or a parent of it"
     )
-    report.add_argument("--out", help="where to write the report files (default: next to metrics.csv)")
+    report.add_argument("--out", help="where to write the report files (default: the app run directory the "
+                        "metrics are in, else beside metrics.csv)")
     report.add_argument("--metric", help="name of the tracked metric (default: found in the CSV)")
     report.add_argument("--tolerance", type=float, help="gap that counts as recovered (default: as logged, or 0.01)")
     report.add_argument(
@@ -274,7 +275,7 @@ def _report(args: argparse.Namespace) -> int:
             csv_path, metric=args.metric, tolerance=args.tolerance, higher_is_better=higher_is_better,
             allow_truncated=args.allow_truncated,
         )
-        out = args.out or (csv_path if csv_path.is_dir() else csv_path.parent)
+        out = args.out or _run_directory(csv_path, Path(args.run_dir))
         reporting.check_destination(out, plot=not args.no_plot)
         if not args.force:
             reporting.refuse_less_data(report, out)
@@ -283,6 +284,20 @@ def _report(args: argparse.Namespace) -> int:
         return _fail("report", str(err))
     reporting.print_report(report, note=f"wrote {', '.join(str(p) for p in paths)}")
     return 0
+
+
+def _run_directory(found: Path, given: Path) -> Path:
+    """Where ``report`` writes by default: the app run the metrics belong to (the nearest directory from them up to
+    ``given`` holding ``.hydra/``: the app logs into ``RUN/csv/pinned``, and its monitor wrote ``RUN/pin_report.json``),
+    else the directory of the metrics (a Lightning ``version_N``)."""
+    start = found if found.is_dir() else found.parent
+    top = given.resolve() if given.is_dir() else start.resolve()
+    for directory in (start.resolve(), *start.resolve().parents):
+        if (directory / ".hydra").is_dir():
+            return directory
+        if directory == top:
+            break
+    return start
 
 
 def _diff(args: argparse.Namespace) -> int:

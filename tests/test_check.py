@@ -376,7 +376,13 @@ def test_usage_errors_exit_2_with_one_line(run, tmp_path, capsys, monkeypatch):
     corrupt["callbacks"][key]["active"] = [7]
     torch.save(corrupt, tmp_path / "corrupt.ckpt")
     good = tmp_path / "weights.pt"
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    (tmp_path / "cut.ckpt").write_bytes(run.ckpt.read_bytes()[:400])
+    (tmp_path / "empty.onnx").write_bytes(b"")
     cases = {
+        "empty.ckpt is empty (0 bytes)": [tmp_path / "empty.ckpt", good],
+        "cut.ckpt is truncated (400 bytes": [tmp_path / "cut.ckpt", good],
+        "empty.onnx is empty (0 bytes)": [run.ckpt, tmp_path / "empty.onnx"],
         "does not exist": [tmp_path / "missing.ckpt", good],
         "missing.onnx does not exist": [run.ckpt, good, tmp_path / "missing.onnx"],
         "holds no pin state": [good, good],

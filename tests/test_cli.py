@@ -105,3 +105,50 @@ def test_usage_errors_are_one_line_with_status_2(capsys, argv, phrase):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and phrase in err, err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train"],
+        ["faults", "--rates", "0", "--seeds", "1"],
+        ["tune", "--trials", "1"],
+    ],
+    ids=["train", "faults", "tune"],
+)
+def test_a_mistyped_config_key_ends_in_one_line_naming_the_closest_valid_keys(tmp_path, capsys, monkeypatch, command):
+    """trainer.max_epoch=1 (no such key): one line naming it and trainer.max_epochs, status 2, nothing run."""
+    if command[0] == "tune":
+        pytest.importorskip("optuna")
+    monkeypatch.chdir(tmp_path)
+    if command[0] == "train":
+        from lightning_pin.train import refuse_unknown_keys
+
+        with pytest.raises(SystemExit) as info:
+            refuse_unknown_keys(["model=mlp", "trainer.max_epoch=1"])
+        status = info.value.code
+    else:
+        status = cli.main([*command, "--out", str(tmp_path / "out"), "trainer.max_epoch=1"])
+    err = capsys.readouterr().err
+    assert status == 2
+    lines = [line for line in err.splitlines() if line.startswith("lightning-pin")]
+    assert len(lines) == 1 and "reference_type" not in err and "object_type" not in err, err
+    assert f"lightning-pin {command[0]}: error:" in lines[0]
+    assert "unknown config key 'trainer.max_epoch'" in lines[0] and "did you mean trainer.max_epochs" in lines[0]
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_key_of_a_group_option_and_of_a_nested_node_are_named_with_their_path(capsys):
+    from lightning_pin.train import refuse_unknown_keys
+
+    for overrides, words in [
+        (["callbacks.pin_callback.monitor.tolerence=0.1"], "did you mean callbacks.pin_callback.monitor.tolerance?"),
+        (["modle=mlp"], "unknown config key 'modle': did you mean model?"),
+        (["trainer.zzz=1"], "the keys of trainer (TrainerConfig) are accelerator, devices"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            refuse_unknown_keys(overrides)
+        assert info.value.code == 2 and words in capsys.readouterr().err
+    refuse_unknown_keys(["model=mlp", "trainer.max_epochs=1"])  # valid keys: no exit, nothing printed
+    refuse_unknown_keys(["-m", "trainer.max_epoch=1,2"])  # a sweep: left to Hydra
+    assert capsys.readouterr().err == ""

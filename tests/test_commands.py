@@ -183,12 +183,14 @@ def test_diff_on_a_missing_file_exits_2_naming_it(tmp_path, capsys):
 @pytest.mark.parametrize(
     "make, phrase",
     [
-        (lambda p: p.write_bytes(b"not a zip, not a pickle"), "cannot load"),
+        (lambda p: p.write_bytes(b"not a zip, not a pickle"), "is not a PyTorch or safetensors file"),
+        (lambda p: p.write_bytes(b""), "is empty (0 bytes)"),
+        (lambda p: torch.save({"w": torch.zeros(256)}, p) or p.write_bytes(p.read_bytes()[:300]), "is truncated"),
         (lambda p: torch.save([1, 2, 3], p), "holds neither a Lightning checkpoint nor a state dict"),
         (lambda p: torch.save({}, p), "holds neither a Lightning checkpoint nor a state dict"),
         (lambda p: p.mkdir(), "is a directory"),
     ],
-    ids=["garbage", "list", "empty-dict", "directory"],
+    ids=["garbage", "empty-file", "truncated", "list", "empty-dict", "directory"],
 )
 def test_diff_on_an_unreadable_file_exits_2_naming_it(tmp_path, capsys, make, phrase):
     weights, state = _model_and_state()
@@ -306,3 +308,24 @@ def test_diff_names_at_most_the_first_few_elements_off_target(tmp_path, capsys):
     assert main(["diff", a, b]) == 1
     out = capsys.readouterr().out
     assert "32 element(s) OFF TARGET" in out and "[0, 0] = 1.5, target 0.5" in out and "... and 22 more" in out
+
+
+def test_report_writes_into_the_run_directory_it_reports_on(tmp_path, capsys):
+    """An app run keeps its metrics below its directory (csv/pinned/metrics.csv): `report RUN_DIR` (or a directory
+    above it) writes RUN_DIR's pin_report.json, where the run's monitor wrote it, not one in the metrics'
+    subdirectory; --out still chooses, and a plain Lightning run (or a metrics.csv named) gets it beside metrics.csv."""
+    run = tmp_path / "outputs" / "2026-01-01" / "00-00-00"
+    (run / ".hydra").mkdir(parents=True)
+    metrics = csv_run(run)  # RUN/lightning_logs/version_0/metrics.csv
+    for given in (run, tmp_path / "outputs"):
+        (run / "pin_report.json").unlink(missing_ok=True)
+        assert main(["report", str(given), "--no-plot"]) == 0
+        assert (run / "pin_report.json").is_file() and not (metrics / "pin_report.json").exists(), given
+        assert f"wrote {run.resolve() / 'pin_report.json'}" in capsys.readouterr().out
+    assert main(["report", str(run), "--no-plot", "--out", str(tmp_path / "elsewhere")]) == 0
+    assert (tmp_path / "elsewhere" / "pin_report.json").is_file()
+    assert main(["report", str(metrics / "metrics.csv"), "--no-plot"]) == 0  # a file named: beside it
+    assert (metrics / "pin_report.json").is_file()
+    plain = csv_run(tmp_path / "plain")  # no .hydra: a Lightning run's version directory is the run
+    assert main(["report", str(tmp_path / "plain"), "--no-plot"]) == 0
+    assert (plain / "pin_report.json").is_file() and not (tmp_path / "plain" / "pin_report.json").exists()

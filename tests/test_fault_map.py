@@ -55,7 +55,8 @@ def test_bit_faults_round_trip_through_a_file_as_unsigned_patterns(tmp_path):
     pins = bit_faults(module, "2.weight", rate=0.05, bits=["sign", "exponent"], seed=1)
     path = save_fault_map(pins, tmp_path / "chip.safetensors")
     (loaded,) = load_fault_map(path)
-    assert loaded.kind == "stuck_bits" and torch.equal(loaded.indices, pins[0].indices)
+    # The generator tells the layer's shape: the elements come back as a mask of it (refused on another shape).
+    assert loaded.kind == "stuck_bits" and torch.equal(loaded.mask.nonzero(), pins[0].indices)
     for field in ("stuck_at_zero", "stuck_at_one"):
         # The file holds the bit patterns as int64 >= 0 (0x8000 for bfloat16's sign, not -32768).
         assert bool((getattr(loaded, field) >= 0).all())
@@ -339,6 +340,29 @@ def test_a_sparse_map_records_each_shape_and_refuses_a_layer_of_another_shape(tm
         handle.verify()
 
 
+@pytest.mark.parametrize("kind", ["cell", "bit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_generated_map_saved_without_a_module_records_shapes_and_dtypes(tmp_path, kind, dtype):
+    """save_fault_map(cell_faults(model, ...), path): the generator tells the shapes and dtypes, so the map is refused
+    on a layer of another shape whose size happens to hold every listed element (it used to pin them silently)."""
+    module = net().to(dtype)
+    draw = cell_faults if kind == "cell" else bit_faults
+    pins = draw(module, "2.weight", rate=0.2, seed=5)
+    assert pins.shapes == {"2.weight": (3, 16)} and pins.dtypes == {"2.weight": dtype}
+    path = save_fault_map(pins, tmp_path / "chip.safetensors")
+    raw = load_fault_map.__globals__["load_tensors"](path)
+    assert torch.equal(raw["2.weight:shape"], torch.tensor([3, 16])) and raw["2.weight:dtype"].dtype == dtype
+    loaded = load_fault_map(path)
+    assert loaded.shapes == {"2.weight": (3, 16)} and loaded.dtypes == {"2.weight": dtype}
+    wide = _wide().to(dtype)  # 3 x 32: every (row, column) of a 3 x 16 layer is inside it
+    before = {name: p.detach().clone() for name, p in wide.named_parameters()}
+    optimizer = torch.optim.SGD(wide.parameters(), lr=0.1)
+    with pytest.raises(PinError, match=r"'2.weight' has shape \(3, 16\); the parameter's shape is \(3, 32\)"):
+        pin(wide, optimizer, loaded)
+    assert all(torch.equal(p, before[name]) for name, p in wide.named_parameters())
+    assert torch.equal(targets(loaded, module)["2.weight"][0], targets(pins, module)["2.weight"][0])
+
+
 def test_shapes_come_from_masks_and_whole_tensors_without_a_module(tmp_path):
     mask = torch.zeros(3, 16, dtype=torch.bool)
     mask[0, 5] = mask[2, 15] = True
@@ -363,7 +387,7 @@ def test_an_older_sparse_map_without_shapes_still_loads_as_coordinates(tmp_path)
     pins = cell_faults(module, "2.weight", rate=0.1, seed=3)
     path = save_fault_map(pins, tmp_path / "chip.pt", module=module)
     raw = torch.load(path, weights_only=True)
-    del raw["2.weight:shape"]
+    del raw["2.weight:shape"], raw["2.weight:dtype"]
     torch.save(raw, tmp_path / "old.pt")
     (old,) = load_fault_map(tmp_path / "old.pt")
     assert old.indices is not None and old.mask is None

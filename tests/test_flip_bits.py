@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from lightning_pin import PinError
@@ -147,3 +149,68 @@ def test_a_parameter_replaced_under_its_name_is_the_one_drawn_on():
     with flip_bits(net, "weight", rate=0.5, seed=0):
         assert not torch.equal(net.weight.detach(), torch.full((8, 8), 3.0))
     assert torch.equal(net.weight.detach(), torch.full((8, 8), 3.0))
+
+
+
+def _net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+
+
+def _patches(module: nn.Module, kinds: list[str], seed: int) -> list:
+    """Patches that overlap on many elements: bit flips (XOR), stuck cells (values) and stuck bits (AND / OR)."""
+    made = []
+    for at, kind in enumerate(kinds):
+        if kind == "flip":
+            made.append(flip_bits(module, "*", rate=0.1, seed=seed + at))
+        elif kind == "cell":
+            made.append(forced_patch(module, cell_faults(module, "*", rate=0.5, seed=seed + at)))
+        else:
+            made.append(forced_patch(module, bit_faults(module, "*", rate=0.05, seed=seed + at)))
+    return made
+
+
+def _entered_in_order(kinds: list[str], seed: int, held: list[int]) -> dict[str, torch.Tensor]:
+    """The words the patches ``held`` give, entered in their order on a fresh copy of the original weights."""
+    module = _net(seed)
+    patches = _patches(module, kinds, seed)
+    for at in held:
+        patches[at].__enter__()
+    return words(module)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["flip", "cell", "bit"]), min_size=2, max_size=4),
+    order=st.randoms(use_true_random=False),
+    seed=st.integers(0, 1000),
+)
+def test_nested_patches_exited_in_any_order_restore_every_word_exactly(kinds, order, seed):
+    """Nested flip_bits / forced patches exited out of order: after each exit the weights are what the patches
+    still held give on the original weights (entered in their order), and after the last the original, bit for bit."""
+    module = _net(seed)
+    original = words(module)
+    patches = _patches(module, kinds, seed)
+    for patch in patches:
+        patch.__enter__()
+    held = list(range(len(patches)))
+    exits = list(held)
+    order.shuffle(exits)
+    for at in exits:
+        patches[at].__exit__(None, None, None)
+        held.remove(at)
+        now, want = words(module), _entered_in_order(kinds, seed, held)
+        assert all(torch.equal(now[name], want[name]) for name in now), (kinds, exits, at)
+    assert all(torch.equal(words(module)[name], original[name]) for name in original)
+
+
+def test_two_flips_exited_outer_first_leave_the_original_words():
+    module = nn.Linear(16, 8)
+    original = words(module)
+    outer, inner = flip_bits(module, "*", rate=0.2, seed=1), flip_bits(module, "*", rate=0.2, seed=2)
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)
+    assert not torch.equal(words(module)["weight"], original["weight"])  # the inner flips are still in
+    inner.__exit__(None, None, None)
+    assert all(torch.equal(words(module)[name], original[name]) for name in original)

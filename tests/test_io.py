@@ -25,16 +25,39 @@ def _garbage(path: Path) -> Path:
     return path
 
 
+def _empty(path: Path) -> Path:
+    path.write_bytes(b"")
+    return path
+
+
+def _cut(path: Path, legacy: bool = False) -> Path:
+    """A checkpoint cut short, as an interrupted save or copy leaves it."""
+    state = {"state_dict": {"w": torch.randn(64, 64)}, "epoch": 1}
+    if path.suffix == ".safetensors":
+        save_file(state["state_dict"], str(path))
+    else:
+        torch.save(state, path, _use_new_zipfile_serialization=not legacy)
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])
+    return path
+
+
 @pytest.mark.parametrize(
     ("make", "reason", "words"),
     [
         (lambda tmp: tmp / "missing.pt", "missing", "does not exist"),
         (lambda tmp: tmp / "values.npy", "suffix", "must end in one of .pt, .pth, .bin, .ckpt, .safetensors"),
         (lambda tmp: (tmp / "shards.ckpt").mkdir() or tmp / "shards.ckpt", "directory", "consolidate it"),
-        (lambda tmp: _garbage(tmp / "garbage.pt"), "unreadable", "weights_only=True"),
-        (lambda tmp: _garbage(tmp / "garbage.safetensors"), "unreadable", "weights_only=True"),
+        (lambda tmp: _garbage(tmp / "garbage.pt"), "unreadable", "is not a PyTorch or safetensors file"),
+        (lambda tmp: _garbage(tmp / "garbage.safetensors"), "unreadable", "is not a safetensors file"),
+        (lambda tmp: _empty(tmp / "empty.ckpt"), "unreadable", r"is empty \(0 bytes\)"),
+        (lambda tmp: _empty(tmp / "empty.safetensors"), "unreadable", r"is empty \(0 bytes\)"),
+        (lambda tmp: _cut(tmp / "cut.ckpt"), "unreadable", r"is truncated \([0-9,]+ bytes, cut short"),
+        (lambda tmp: _cut(tmp / "cut.pt", legacy=True), "unreadable", r"is truncated \([0-9,]+ bytes, cut short"),
+        (lambda tmp: _cut(tmp / "cut.safetensors"), "unreadable", r"is truncated \([0-9,]+ bytes, cut short"),
     ],
-    ids=["missing", "suffix", "directory", "unreadable-pt", "unreadable-safetensors"],
+    ids=["missing", "suffix", "directory", "unreadable-pt", "unreadable-safetensors", "empty", "empty-safetensors",
+         "truncated", "truncated-legacy", "truncated-safetensors"],
 )
 def test_load_tensors_names_the_file_and_the_reason(tmp_path, make, reason, words):
     path = make(tmp_path)
@@ -76,7 +99,7 @@ def test_callers_keep_their_own_words(tmp_path):
     # A fault map: says how to write one when it is missing, and what is wrong otherwise.
     with pytest.raises(PinError, match="random_fault_map"):
         fault_map_pins(tmp_path / "missing.pt")
-    with pytest.raises(PinError, match=r"fault map: .*garbage\.pt .*weights_only=True"):
+    with pytest.raises(PinError, match=r"fault map: .*garbage\.pt is not a PyTorch or safetensors file"):
         fault_map_pins(_garbage(tmp_path / "garbage.pt"))
     # The app's ckpt_path: a missing file is a FileNotFoundError naming the option.
     with pytest.raises(FileNotFoundError, match=r"ckpt_path='nowhere\.ckpt' does not exist"):
@@ -84,6 +107,14 @@ def test_callers_keep_their_own_words(tmp_path):
     torch.save([1], tmp_path / "odd.ckpt")
     with pytest.raises(ValueError, match=r"ckpt_path=.*odd\.ckpt.*holds neither"):
         load_weights(TinyNet(), str(tmp_path / "odd.ckpt"))
+    # An empty or truncated ckpt_path: the file and what is wrong with it, and the model left as it was.
+    net = TinyNet()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    for bad, words in [(_empty(tmp_path / "empty.ckpt"), r"empty\.ckpt is empty \(0 bytes\)"),
+                       (_cut(tmp_path / "cut.ckpt"), r"cut\.ckpt is truncated")]:
+        with pytest.raises(ValueError, match=rf"ckpt_path=.*{words}"):
+            load_weights(net, str(bad))
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
 
 
 def test_load_weights_takes_a_bare_state_dict(tmp_path):

@@ -558,3 +558,16 @@ def test_drift_measures_how_far_the_optimizer_moved_the_faulty_weights():
         (last,) = stats
         assert torch.equal(last.drift_max, (written.double() - held.double()).abs().max().float())
         assert float(last.drift_max) > 0 and int(last.violations) == 0
+
+
+@pytest.mark.parametrize("masks", [{}, {"stuck_at_one": 0}, {"stuck_at_zero": 0, "stuck_at_one": [0, 0]},
+                                   {"stuck_at_zero": torch.zeros(3, dtype=torch.int32)}])
+def test_a_code_pin_without_a_stuck_bit_is_refused_pointing_to_quantize(masks):
+    """Pin(code=...) alone marks no fault and would only snap its elements onto the grid: refused, naming quantize()."""
+    code = QuantCode(bits=8, scale=2.0**-6)
+    with pytest.raises(PinError, match=r"code= without a stuck bit .* lightning_pin\.faults\.quantize\(model, params"):
+        Pin("fc1.weight", indices=[(0, 1), (2, 3), (5, 5)], code=code, **masks)
+    with pytest.raises(PinError, match="code= without a stuck bit"):
+        Pin.from_config({"params": "fc1.weight", "code": {"bits": 8, "scale": 0.01}, **masks})
+    # One stuck bit among zeros is a fault: accepted.
+    Pin("fc1.weight", indices=[(0, 1), (2, 3), (5, 5)], code=code, stuck_at_zero=[0, 0x10, 0])

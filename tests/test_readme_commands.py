@@ -36,7 +36,9 @@ def test_report_right_after_the_demo_reads_the_demos_run(tmp_path, fork_runner, 
     command = shlex.split(line.split("#")[0])
     monkeypatch.chdir(tmp_path)
     assert cli.main(command[1:]) == 0, capsys.readouterr().err
-    rebuilt = json.loads(next((tmp_path / "outputs").rglob("csv/pinned/pin_report.json")).read_text())
+    # Into the run directory, where the run's own report is (not into its csv/pinned/ subdirectory).
+    assert not list((tmp_path / "outputs").rglob("csv/pinned/pin_report.json"))
+    rebuilt = json.loads((run_dir / "pin_report.json").read_text())
     assert rebuilt["final"] == json.loads((run_dir / "run_summary.json").read_text())["final"]
 
 

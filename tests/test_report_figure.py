@@ -106,3 +106,12 @@ def test_a_run_shorter_than_the_logging_interval_says_why_the_drift_is_missing_a
                       weight_drift=[[0, 0.0, 0.0], [20, 0.5, 0.1], [40, 0.7, 0.15]], pinned_elements=7)
     assert "PinMonitor(drift=False)" in _texts(build_figure(off)) and "log_every_n_steps" not in _texts(build_figure(off))
     assert dict(report_rows(off))["pin drift max / mean"] == "not measured (PinMonitor(drift=False))"
+
+
+def test_the_chance_line_is_drawn_when_the_report_knows_it():
+    def chance_lines(report):
+        return [line for line in build_figure(report).axes[0].get_lines() if line.get_label().startswith("chance")]
+
+    assert chance_lines(diverging()) == []
+    (line,) = chance_lines({**diverging(), "chance": 0.1})
+    assert list(line.get_ydata()) == [0.1, 0.1] and line.get_label() == "chance 0.1000"

@@ -65,3 +65,28 @@ def test_the_readme_offers_the_fault_kinds_the_command_has():
     for kind in KINDS:
         if kind != "value":
             fault_generator(kind)  # every kind the README lists has its generator
+
+
+def test_outcome_says_at_chance_within_two_points_of_guessing_and_diverged_when_free_weights_blew_up():
+    from lightning_pin.app.train import diverged, outcome
+
+    healthy = {"train_loss": 0.3, "forced": 0.5, "final": 0.9, "tolerance": 0.01, "weight_drift": 3.0}
+    assert outcome(healthy, chance=0.1) is None and not diverged(healthy, chance=0.1)
+    # 0.115 is 1.5 points above guessing (chance 0.1): at chance, though more than the tolerance (0.01) above it.
+    low = {**healthy, "forced": 0.1, "final": 0.115}
+    assert outcome(low, chance=0.1) == "at chance" and diverged(low, chance=0.1)
+    assert outcome({**low, "final": 0.121}, chance=0.1) is None  # 2.1 points above: a (poor) accuracy
+    assert outcome(low) is None  # no chance known (a metric that is not accuracy)
+    # The free weights blew up (their drift is not finite), or the final metric is NaN: diverged.
+    for blown in ({**healthy, "weight_drift": float("inf")}, {**healthy, "final": float("nan")}):
+        assert outcome(blown, chance=0.1) == "diverged" and diverged(blown, chance=0.1)
+
+
+def test_the_train_summary_says_at_chance_or_diverged(capsys):
+    print_summary(summary(outcome="at chance", chance=0.1, final=0.11, diverged=True))
+    out = capsys.readouterr().out
+    assert "  outcome   AT CHANCE: the final accuracy is no better than guessing (guessing scores 0.100)" in out
+    print_summary(summary(outcome="diverged", diverged=True))
+    assert "  outcome   DIVERGED: a loss, metric or free weight that is not finite" in capsys.readouterr().out
+    print_summary(summary())
+    assert "outcome" not in capsys.readouterr().out

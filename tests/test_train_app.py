@@ -110,6 +110,21 @@ def test_export_refuses_what_is_not_a_run_or_a_format(tmp_path, capsys):
     assert "one of .safetensors, .onnx" in capsys.readouterr().err
 
 
+def test_export_of_a_run_whose_checkpoint_is_empty_or_truncated_names_the_file(tmp_path, capsys, monkeypatch):
+    from lightning_pin.app import export
+
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("{}\n")
+    monkeypatch.setattr(export, "_rebuild", lambda cfg, run_dir: torch.nn.Linear(4, 2))
+    torch.save({"state_dict": torch.nn.Linear(4, 2).state_dict()}, tmp_path / "whole.ckpt")
+    for content, words in [(b"", "is empty (0 bytes)"), ((tmp_path / "whole.ckpt").read_bytes()[:200], "is truncated")]:
+        (tmp_path / "pinned.ckpt").write_bytes(content)
+        assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / "model.safetensors")]) == 2
+        line = capsys.readouterr().err.strip()
+        assert "\n" not in line and f"{tmp_path / 'pinned.ckpt'} {words}" in line, line
+        assert not (tmp_path / "model.safetensors").exists()
+
+
 def test_export_checks_its_destination_before_rebuilding_the_model(tmp_path, capsys):
     # A directory: one line, status 2, before the run is read (tmp_path is not a run, and that is not what it says).
     (tmp_path / "deploy").mkdir()
@@ -190,14 +205,15 @@ def test_console_script_forwards_overrides_and_loads_ckpt_path(tmp_path):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("trainer.max_epoch=3", "Key 'max_epoch' not in 'TrainerConfig'"),
+        ("trainer.max_epoch=3", "unknown config key 'trainer.max_epoch': did you mean trainer.max_epochs"),
         ("pin.params=backbone.nothing.*", "matches no parameter of the module being trained"),
         ("pin=fault_map", "Missing mandatory value: pin.fault_map"),
     ],
 )
 def test_bad_config_fails_before_training(tmp_path, override, message, train):
     result = train(override, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
-    assert result.returncode == 1
+    # A key that is not in the config is a usage error (status 2, one line); the others end the run (status 1).
+    assert result.returncode == (2 if "unknown config key" in message else 1)
     assert message in result.output
     assert "Pretraining" not in result.output and not (tmp_path / "pretrained.ckpt").exists()
     # The message, not a traceback before it.
@@ -206,6 +222,15 @@ def test_bad_config_fails_before_training(tmp_path, override, message, train):
         error = [line for line in result.stderr.splitlines() if line.startswith("PinError: ")]
         assert len(error) == 1 and message in error[0], result.stderr
         assert "LIGHTNING_PIN_TRACEBACK=1" in result.stderr
+
+
+def test_an_empty_ckpt_path_ends_in_one_line_naming_the_file_before_training(tmp_path, train):
+    (tmp_path / "start.ckpt").write_bytes(b"")
+    result = train(*TINY, "ckpt_path=start.ckpt", f"hydra.run.dir={tmp_path / 'out'}", cwd=tmp_path)
+    assert result.returncode == 1
+    error = [line for line in result.stderr.splitlines() if line.startswith("ValueError: ")]
+    assert len(error) == 1 and "start.ckpt is empty (0 bytes)" in error[0], result.stderr
+    assert "Traceback" not in result.output and not (tmp_path / "out" / "pinned.ckpt").exists()
 
 
 def test_app_error_shows_the_traceback_on_request(tmp_path, train):
@@ -285,3 +310,17 @@ def test_true_half_precision_run_tracks_accuracy_and_holds_the_pins(tmp_path, tr
     report = json.loads((tmp_path / "pin_report.json").read_text())
     assert report["violations"] == 0 and None not in (report["baseline"], report["forced"], report["final"])
     assert state_dict(tmp_path / "pinned.ckpt")["backbone.head.weight"].dtype == torch.bfloat16
+
+
+def test_a_run_that_ends_at_chance_says_so_in_its_summary_and_draws_the_chance_line(tmp_path, train):
+    """Every weight frozen at 0: the model guesses one class. The summary and run_summary.json say "at chance"
+    (as the faults study's diverged column does), with the accuracy of guessing; the figure is redrawn with it."""
+    result = train(*TINY, "pin=freeze_layers", "pin.pins=[{params: '*', value: 0.0}]", f"hydra.run.dir={tmp_path}",
+                   cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    summary = json.loads((tmp_path / "run_summary.json").read_text())
+    assert summary["chance"] == 0.1 and summary["final"] <= 0.12  # digits: 10 classes
+    assert summary["outcome"] == "at chance" and summary["diverged"] is True
+    said = "  outcome   AT CHANCE: the final accuracy is no better than guessing (guessing scores 0.100)"
+    assert said in result.stdout
+    assert (tmp_path / "pin_report.png").stat().st_size > 0

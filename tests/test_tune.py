@@ -121,7 +121,7 @@ def test_only_the_final_accuracy_is_pruned_on():
     [(["--param", "optimizer.lr=log:0:1"], "LOW > 0"), (["--objectives", "final:up"], "KEY:max or KEY:min"),
      (["--trials", "0"], "--trials must be at least 1"), (["--param", "lr"], "use KEY=float"),
      # Composed before any training: a mistyped override or parameter key, an objective naming nothing.
-     (["trainer.max_epoch=1"], "Key 'max_epoch' not in 'TrainerConfig'"),
+     (["trainer.max_epoch=1"], "unknown config key 'trainer.max_epoch': did you mean trainer.max_epochs"),
      (["--param", "optimizer.lrr=log:1e-3:1e-2"], "--param optimizer.lrr=log:...: optimizer.lrr=0.001"),
      (["--param", "optimizer=choice:adam,sgdd"], "Could not find 'optimizer/sgdd'"),
      (["--objectives", "nosuch:max"], "'nosuch' is neither a number of the run summary"),

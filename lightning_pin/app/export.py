@@ -47,7 +47,9 @@ def load_run_model(run_dir: Union[str, Path], checkpoint: str = "pinned.ckpt") -
     model = _rebuild(cfg, run_dir)
     try:
         state = load_checkpoint(ckpt)["state_dict"]
-    except (TensorFileError, KeyError) as err:
+    except TensorFileError as err:  # empty, truncated, not a checkpoint: the message names the file and says which
+        raise PinError(str(err)) from err
+    except KeyError as err:
         raise PinError(f"{ckpt} is not a Lightning checkpoint with a state_dict: {err}") from err
     try:
         model.load_state_dict(state)

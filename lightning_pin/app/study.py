@@ -426,15 +426,14 @@ def _compose(study: Study, overrides: Sequence[str], output_dir: Path) -> Any:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from lightning_pin.app.compose import compose_app
+    from lightning_pin.app.compose import compose_app, composition_message
     from lightning_pin.app.train import check_lengths
 
     try:
         cfg = compose_app(overrides, output_dir.resolve(), config_dir=study.config_dir)
         check_lengths(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as err:
-        message = " ".join(str(err).split()) or type(err).__name__
-        raise StudyError(f"the job config does not compose: {message}") from None
+        raise StudyError(f"the job config does not compose: {composition_message(err)}") from None
     return cfg
 
 

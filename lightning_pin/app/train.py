@@ -264,7 +264,14 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
     summary["output_pins"] = sum(len(group) for _, group in kinds.split(pins)[1])
     classes = getattr(datamodule, "num_classes", None)
     chance = 1.0 / classes if classes and summary.get("metric") == "accuracy" else None
-    summary["diverged"] = diverged(summary, higher_is_better=report.get("higher_is_better", True), chance=chance)
+    summary["chance"] = chance
+    summary["outcome"] = outcome(summary, higher_is_better=report.get("higher_is_better", True), chance=chance)
+    summary["diverged"] = summary["outcome"] is not None
+    figure = output_dir / "pin_report.png"
+    if chance is not None and figure.is_file() and report.get("history"):
+        from lightning_pin.reporting.report import plot_report
+
+        plot_report({**report, "chance": chance}, figure)  # the monitor drew it without knowing the classes
     (output_dir / RUN_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     print_summary(summary)
     return summary
@@ -562,6 +569,12 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"  {label:<8}  baseline {_fmt(summary['baseline'])}  forced {_fmt(summary['forced'])}  "
             f"final {_fmt(summary['final'])}  (gap to baseline {summary['gap']:+.3f}, {_recovery(summary)})"
         )
+    if summary.get("outcome"):
+        chance = f" (guessing scores {summary['chance']:.3f})" if summary.get("chance") is not None else ""
+        why = ("the final accuracy is no better than guessing" + chance if summary["outcome"] == "at chance" else
+               "a loss, metric or free weight that is not finite, or an end worse than before retraining")
+        lines.append(f"  outcome   {summary['outcome'].upper()}: {why}; the gap above is a failed run, not the "
+                     "cost of the pins alone")
     if summary.get("pinned_elements"):
         lines.append(
             "  pins      exact: verified with torch.equal on every pinned element; "
@@ -595,23 +608,45 @@ def _recovery(summary: dict[str, Any]) -> str:
     return f"within {tolerance:g} from step {settled}"
 
 
-def diverged(summary: dict[str, Any], higher_is_better: bool = True, chance: Optional[float] = None) -> bool:
-    """Whether retraining failed outright: a non-finite loss, an end worse than not retraining at all,
-    or (given ``chance``, the accuracy of guessing) an accuracy no better than guessing.
+#: An accuracy this close to guessing (or below it) is "at chance", whatever the tolerance.
+AT_CHANCE = 0.02
 
-    SGD with momentum can blow up (NaN) or collapse to predicting one class around large stuck
-    values; a study should say so rather than report a low accuracy as if it were the faults' cost.
-    "Worse than not retraining": the final metric is more than the tolerance below the forced one.
+
+def outcome(summary: dict[str, Any], higher_is_better: bool = True, chance: Optional[float] = None) -> Optional[str]:
+    """How retraining failed outright, if it did: ``"diverged"`` or ``"at chance"``; None when it did not.
+
+    "diverged": a non-finite training loss, final metric or free-weight drift (the free weights blew up), or an
+    end worse than not retraining at all (the final metric more than the tolerance below the forced one).
+    "at chance" (given ``chance``, the accuracy of guessing): a final accuracy within ``max(AT_CHANCE, tolerance)``
+    of guessing, or below it. SGD with momentum can blow up (NaN) or collapse to predicting one class around large
+    stuck values; a run or study should say so rather than report a low accuracy as if it were the faults' cost.
+    The one rule of ``lightning-pin train``'s summary and of the ``faults`` study's ``diverged`` column.
+
+    Example::
+
+        >>> outcome({"train_loss": 2.3, "forced": 0.09, "final": 0.11, "tolerance": 0.01}, chance=0.1)
+        'at chance'
+        >>> outcome({"train_loss": 0.3, "forced": 0.5, "final": 0.9, "weight_drift": float("inf")})
+        'diverged'
     """
     loss, final, forced = summary.get("train_loss"), summary.get("final"), summary.get("forced")
-    if loss is not None and not math.isfinite(loss):
-        return True
-    if final is None or forced is None:
-        return False
+    drift = summary.get("weight_drift")
+    if any(value is not None and not math.isfinite(value) for value in (loss, final, drift)):
+        return "diverged"
+    if final is None:
+        return None
     tolerance = summary.get("tolerance") or 0.0
-    if chance is not None and final <= chance + tolerance:
-        return True
-    return final < forced - tolerance if higher_is_better else final > forced + tolerance
+    if chance is not None and final <= chance + max(AT_CHANCE, tolerance):
+        return "at chance"
+    if forced is None:
+        return None
+    worse = final < forced - tolerance if higher_is_better else final > forced + tolerance
+    return "diverged" if worse else None
+
+
+def diverged(summary: dict[str, Any], higher_is_better: bool = True, chance: Optional[float] = None) -> bool:
+    """Whether retraining failed outright (:func:`outcome` is not None): the study's ``diverged`` column."""
+    return outcome(summary, higher_is_better, chance) is not None
 
 
 def _last_loss(trainer: pl.Trainer) -> Optional[float]:

@@ -303,7 +303,13 @@ def _into_log(path: Path) -> Any:
 
 
 def _reason(err: BaseException) -> str:
-    """Hydra's message in one line, with the first line of its cause ("Key 'lrr' not in 'AdamConfig'")."""
+    """Hydra's message in one line, with the first line of its cause ("Key 'lrr' not in 'AdamConfig'"); a key that is
+    not in the config, with the closest valid ones (:func:`lightning_pin.app.compose.unknown_key`)."""
+    from lightning_pin.app.compose import unknown_key
+
+    unknown = unknown_key(err)
+    if unknown is not None:
+        return unknown
     reason = " ".join(str(err).split()) or type(err).__name__
     cause = err.__cause__
     if cause is not None and str(cause).strip():

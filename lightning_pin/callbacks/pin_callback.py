@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_pin.callbacks._compat import averaged_modules, runs_in_spawned_workers, watch_weight_averaging
+from lightning_pin.callbacks.late_pins import warn_late_pins
 from lightning_pin.core.buffers import BufferHold
 from lightning_pin.core.compiled_step import install
 from lightning_pin.core.engine import PinEngine
@@ -247,6 +248,7 @@ class PinCallback(Callback):
                 for hold in self.outputs.values():
                     unfaulted.enter_context(hold.paused())
                 self.monitor.before_force(trainer, pl_module)
+        warn_late_pins(trainer, self.pins)  # the steps of an epoch are known from here on
         self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
         self.engine.force()
         for hold in self.outputs.values():

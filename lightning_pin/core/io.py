@@ -9,9 +9,10 @@ what went wrong without parsing the message.
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -82,6 +83,9 @@ def load_tensors(path: Union[str, Path]) -> Any:
             return load_file(str(path), device="cpu")
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle, zip and safetensors errors come in many types
+        damaged = _damaged(path, err)
+        if damaged is not None:
+            raise TensorFileError(damaged, path, "unreadable") from err
         raise TensorFileError(
             f"cannot load {path} with weights_only=True ({type(err).__name__}: {err}). It must hold tensors and "
             "plain containers only; a checkpoint with other objects (hyperparameters such as functions?) can be "
@@ -89,6 +93,34 @@ def load_tensors(path: Union[str, Path]) -> Any:
             path,
             "unreadable",
         ) from err
+
+
+#: How a ``torch.save`` file starts: a zip archive (torch >= 1.6), or a pickle (the legacy format).
+_ZIP, _PICKLE = b"PK\x03\x04", b"\x80"
+#: The largest header safetensors reads (100 MB): a first word above it is no safetensors length.
+_SAFETENSORS_HEADER = 100_000_000
+
+
+def _damaged(path: Path, err: BaseException) -> Optional[str]:
+    """What is wrong with a file that did not load, when it is empty, cut short or not a tensor file at all (None
+    when it is whole: then what it holds is the reason, which torch's own message tells)."""
+    size = path.stat().st_size
+    if size == 0:
+        return f"{path} is empty (0 bytes): nothing was written to it (an interrupted save or copy?)"
+    with path.open("rb") as stream:
+        head = stream.read(8)
+    cut = f"{path} is truncated ({size:,} bytes, cut short: an interrupted save or copy?); save or copy it again"
+    if path.suffix == ".safetensors":
+        header = int.from_bytes(head, "little") if len(head) == 8 else None
+        if header is not None and header > _SAFETENSORS_HEADER:
+            return f"{path} is not a safetensors file (it starts with {head!r}; {size:,} bytes)"
+        return cut if header is None or size < 8 + header or "incomplete" in str(err).lower() else None
+    if head.startswith(_ZIP):
+        return None if zipfile.is_zipfile(path) else cut  # an archive cut short has no central directory
+    if head.startswith(_PICKLE):  # the legacy format: pickles and raw storages one after the other
+        said = str(err).lower()
+        return cut if isinstance(err, EOFError) or "truncated" in said or "unexpected eof" in said else None
+    return f"{path} is not a PyTorch or safetensors file (it starts with {head!r}; {size:,} bytes)"
 
 
 def load_checkpoint(path: Union[str, Path]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ class FaultPins(list):
         shapes: The shape of each parameter the pins were drawn for or read with, by name, where
             known (:func:`~lightning_pin.faults.load_fault_map` of a file that records them):
             :func:`~lightning_pin.faults.save_fault_map` records them in the file.
+        dtypes: The dtype of each parameter, by name, where known (as ``shapes``).
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class FaultPins(list):
         redrawn: int = 0,
         skipped: int = 0,
         shapes: Optional[Mapping[str, tuple[int, ...]]] = None,
+        dtypes: Optional[Mapping[str, torch.dtype]] = None,
     ) -> None:
         super().__init__(pins)
         self.summary = summary
@@ -56,6 +58,7 @@ class FaultPins(list):
         self.redrawn = redrawn
         self.skipped = skipped
         self.shapes = {name: tuple(shape) for name, shape in (shapes or {}).items()}
+        self.dtypes = dict(dtypes or {})
 
 
 def finish(
@@ -66,9 +69,10 @@ def finish(
     redrawn: int = 0,
     skipped: int = 0,
     shapes: Optional[Mapping[str, tuple[int, ...]]] = None,
+    dtypes: Optional[Mapping[str, torch.dtype]] = None,
 ) -> FaultPins:
     summary = "\n".join([title, *(f"  {line}" for line in lines)])
-    return FaultPins(pins, summary, faulty, redrawn, skipped, shapes)
+    return FaultPins(pins, summary, faulty, redrawn, skipped, shapes, dtypes)
 
 
 def floating_parameters(module: nn.Module, params: Params, who: str) -> dict[str, Tensor]:

@@ -106,7 +106,7 @@ def bit_faults(
     check_fraction("rate", rate)
     check_fraction("one_fraction", one_fraction)
     check_seed(seed)
-    pins, lines, faulty, redrawn_total = [], [], {}, 0
+    pins, lines, faulty, redrawn_total, shapes, dtypes = [], [], {}, 0, {}, {}
     given = code
     if code is not None and not _is_bits(code):
         code = given = QuantCode.from_config(code)
@@ -128,6 +128,8 @@ def bit_faults(
         else:
             positions = bit_positions(bits, dtype, name)
         numel = parameter.numel()
+        # save_fault_map records them, so the map is refused on a layer of another shape
+        shapes[name], dtypes[name] = tuple(parameter.shape), dtype
         pairs, one, rank = drawn_pairs(name, numel * len(positions), float(rate), int(seed), float(one_fraction))
         if pairs.numel() == 0:
             faulty[name] = 0
@@ -159,7 +161,7 @@ def bit_faults(
     elif given is not None:
         of_code = f", int{given} codes per channel" if _is_bits(given) else f", {given.describe()}"
     title = f"bit faults (rate {rate:g}, one_fraction {one_fraction:g}, seed {seed}{of_code})"
-    return finish(pins, title, lines, faulty, redrawn_total, 0)
+    return finish(pins, title, lines, faulty, redrawn_total, 0, shapes=shapes, dtypes=dtypes)
 
 
 def drawn_pairs(name: str, total: int, rate: float, seed: int, one_fraction: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -96,14 +96,17 @@ def cell_faults(
         isinstance(high, bool) or not isinstance(high, numbers.Real) or not math.isfinite(high) or not high > 0
     ):
         raise PinError(f"cell_faults: high must be None or a finite number > 0, got {high!r}")
-    pins, lines, faulty = [], [], {}
+    pins, lines, faulty, shapes, dtypes = [], [], {}, {}, {}
     for name, parameter in floating_parameters(module, params, "cell_faults").items():
         if is_int8_weight(parameter):
+            shapes[name], dtypes[name] = tuple(parameter.shape), torch.int8  # the stored codes
             _int8_cells(pins, lines, faulty, name, parameter, rate, sa1_fraction, high, int(seed))
             continue
         weights = parameter.detach()
         count = round(float(rate) * weights.numel())
         faulty[name] = count
+        # save_fault_map records them, so the map is refused on a layer of another shape
+        shapes[name], dtypes[name] = tuple(weights.shape), weights.dtype
         if count == 0:
             lines.append(f"{name}: no faulty cell ({rate:g} of {weights.numel():,} rounds to 0)")
             continue
@@ -127,7 +130,8 @@ def cell_faults(
             f"{name}: {count:,} of {weights.numel():,} cells stuck (SA0 {count - ones:,}, SA1 {ones:,} "
             f"at ±{magnitude.item():.6g})"
         )
-    return finish(pins, f"cell faults (rate {rate:g}, sa1_fraction {sa1_fraction:g}, seed {seed})", lines, faulty)
+    title = f"cell faults (rate {rate:g}, sa1_fraction {sa1_fraction:g}, seed {seed})"
+    return finish(pins, title, lines, faulty, shapes=shapes, dtypes=dtypes)
 
 
 def _int8_cells(pins: list, lines: list, faulty: dict, name: str, parameter: torch.Tensor, rate: float,

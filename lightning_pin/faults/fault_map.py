@@ -36,6 +36,9 @@ INDICES = "indices"
 #: The key suffix of the (optional) shape of the parameter, as int64 sizes: a map is refused on a
 #: parameter of another shape. Older files have none and load as before.
 SHAPE = "shape"
+#: The key suffix of the (optional) dtype of the parameter: an empty tensor of that dtype (a tensor file
+#: holds tensors only). Read into :attr:`FaultPins.dtypes`.
+DTYPE = "dtype"
 
 PathLike = Union[str, Path]
 
@@ -59,8 +62,10 @@ def save_fault_map(
     value), ``name:stuck_at_zero`` / ``name:stuck_at_one`` (int64 bit patterns, 0: no stuck bit),
     ``name:low`` / ``name:high`` (float64, -inf / +inf: no bound), and ``name:shape`` (the
     parameter's shape, int64) where it is known: always with ``module``; without, from a ``mask``,
-    a tensor of the parameter's shape, or the ``shapes`` of a :class:`FaultPins` (pins with bare
-    ``indices`` do not tell it). A map that records its shapes is refused on a parameter of
+    a tensor of the parameter's shape, or the ``shapes`` of a :class:`FaultPins` (what
+    :func:`cell_faults` and :func:`bit_faults` return; pins with bare ``indices`` do not tell it).
+    ``name:dtype`` (an empty tensor of the parameter's dtype) likewise, from ``module`` or the
+    ``dtypes`` of a :class:`FaultPins`. A map that records its shapes is refused on a parameter of
     another shape. An existing file is never replaced unless ``overwrite=True``.
 
     Example::
@@ -100,6 +105,9 @@ def save_fault_map(
             "overwrite=True to replace it"
         )
     known_shapes = dict(getattr(pins, "shapes", None) or {})
+    known_dtypes = dict(getattr(pins, "dtypes", None) or {})
+    if module is not None:
+        known_dtypes.update((name, p.dtype) for name, p in module.named_parameters(remove_duplicate=False))
     entries: dict[str, list[tuple[Tensor, dict[str, Tensor], Optional[tuple[int, ...]]]]] = {}
     specs: dict[str, dict[str, Tensor]] = {}
     found = _resolved_entries(list(pins), module) if module is not None else map(_fault_entry, pins)
@@ -120,6 +128,8 @@ def save_fault_map(
             tensors[f"{name}:{SHAPE}"] = torch.tensor(shape, dtype=torch.int64).reshape(len(shape))
             # The smallest integers that hold the sizes: a conv weight's 4 coordinates in 8 bytes, not 32.
             tensors[f"{name}:{INDICES}"] = tensors[f"{name}:{INDICES}"].to(_index_dtype(shape))
+        if name in known_dtypes:
+            tensors[f"{name}:{DTYPE}"] = torch.empty(0, dtype=known_dtypes[name])
         tensors.update((f"{name}:{field}", tensor) for field, tensor in specs.get(name, {}).items())
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".safetensors":
@@ -150,7 +160,7 @@ def load_fault_map(path: PathLike) -> FaultPins:
 
     Each parameter gives up to three pins (one per kind present), checked like any pin when
     resolved on the module. The returned :class:`FaultPins` has a ``summary`` of what was read
-    and the ``shapes`` the file records.
+    and the ``shapes`` and ``dtypes`` the file records.
 
     Raises:
         PinError: the file is missing or unreadable, holds anything but tensors keyed by name,
@@ -177,18 +187,24 @@ def load_fault_map(path: PathLike) -> FaultPins:
         if field in grouped.setdefault(name, {}):
             raise PinError(f"{where}: {name!r} has its stuck values twice (as {name!r} and {name + ':' + _BARE!r})")
         grouped[name][field] = tensor
-    pins, lines, faulty, shapes = [], [], {}, {}
+    pins, lines, faulty, shapes, dtypes = [], [], {}, {}, {}
     for name, fields in grouped.items():
         shape = _recorded_shape(name, fields.pop(SHAPE, None), where)
         if shape is not None:
             shapes[name] = shape
+        dtype = fields.pop(DTYPE, None)
+        if dtype is not None:
+            if dtype.numel():
+                raise PinError(f"{where}: {name}:{DTYPE} must be an empty tensor of the parameter's dtype, got "
+                               f"{_show(dtype)}")
+            dtypes[name] = dtype.dtype
         made, line, count = _pins_from_fields(name, fields, where, shape)
         pins += made
         faulty[name] = count
         lines.append(line)
     if not pins:
         raise PinError(f"{where} marks no faulty cell (every value NaN, no stuck bit, no bound)")
-    return finish(pins, f"fault map {path.name}", lines, faulty, shapes=shapes)
+    return finish(pins, f"fault map {path.name}", lines, faulty, shapes=shapes, dtypes=dtypes)
 
 
 def _recorded_shape(name: str, tensor: Optional[Tensor], where: str) -> Optional[tuple[int, ...]]:
@@ -235,10 +251,10 @@ def _split_key(key: str, where: str) -> tuple[str, str]:
     name, sep, field = key.rpartition(":")
     if not sep:
         return key, _BARE  # the older maps: the bare parameter name holds stuck values
-    if field not in FIELDS and field not in SPEC_FIELDS and field not in (INDICES, SHAPE):
+    if field not in FIELDS and field not in SPEC_FIELDS and field not in (INDICES, SHAPE, DTYPE):
         raise PinError(
             f"{where}: key {key!r} ends in {field!r}; a key is a parameter name or 'name:field' with field one of "
-            f"{[*FIELDS, *SPEC_FIELDS, INDICES, SHAPE]}"
+            f"{[*FIELDS, *SPEC_FIELDS, INDICES, SHAPE, DTYPE]}"
         )
     return name, field
 

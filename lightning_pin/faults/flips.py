@@ -5,7 +5,8 @@ evaluated with the flip in, and nothing is retrained around it. Both classes her
 stored words of some elements on entry and write the saved words back on exit, exactly (on an
 integer view of the bytes: NaN payloads and ``-0.0`` come back as they were), also when the
 code in the ``with`` block raises. They save only the words they change: a campaign of many
-draws never copies the model.
+draws never copies the model. Patches nested on the same weights may be left in any order: each
+exit leaves the words the patches still held give, entered in their order (see :class:`WordPatch`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,22 @@ def _words(parameter: Tensor, name: str) -> Tensor:
 #: How a patch makes an element's new word from its old one.
 Rewrite = Callable[[Tensor], Tensor]
 
+#: The patches in the weights now, in the order they were entered (an out-of-order exit replays the later ones).
+_HELD: list["WordPatch"] = []
+
+
+def _storage(words: Tensor) -> tuple[int, int, torch.dtype]:
+    """What identifies a parameter's words across views of it (tied weights are one)."""
+    return words.data_ptr(), words.numel(), words.dtype
+
+
+def _common(index: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
+    """Positions ``(i, j)`` with ``index[i] == other[j]`` (both hold distinct flat element indices)."""
+    ordered, order = other.sort()
+    at = torch.searchsorted(ordered, index).clamp(max=max(ordered.numel() - 1, 0))
+    found = ordered[at] == index if ordered.numel() else torch.zeros_like(index, dtype=torch.bool)
+    return found.nonzero().squeeze(1), order[at[found]]
+
 
 class WordPatch:
     """New words for some elements of some parameters, written on entry and undone exactly on exit.
@@ -69,6 +86,12 @@ class WordPatch:
     gives the new words (a value, stuck bits, flipped bits). On entry the old words of those
     elements are saved (only those) and the new ones written; on exit the old ones come back.
     ``changed_bits`` counts the stored bits the last entry changed.
+
+    Patches nested on the same weights may be exited in any order: leaving one that a later patch
+    still holds (an outer ``with`` closed first) re-applies the later patches' rewrites to the words
+    this one saved, so the weights are exactly what the patches still held give, entered in their
+    order, and the last exit leaves the original words (a later patch's saved words are corrected
+    too, so its own exit writes back the words from before the first patch).
 
     Example::
 
@@ -99,6 +122,7 @@ class WordPatch:
         changed = 0
         with torch.no_grad():
             self._saved = [words[index] for words, index, _ in self._changes]  # indexing copies
+            _HELD.append(self)
             try:
                 for (words, index, rewrite), old in zip(self._changes, self._saved):
                     new = rewrite(old)
@@ -112,9 +136,32 @@ class WordPatch:
 
     def __exit__(self, *exc: Any) -> None:
         saved, self._saved = self._saved, None
+        if saved is None:
+            return
+        where = next(at for at, held in enumerate(_HELD) if held is self)
+        later = _HELD[where + 1 :]
+        del _HELD[where]
         with torch.no_grad():
-            for (words, index, _), old in zip(self._changes, saved or []):
-                words[index] = old
+            for (words, index, _), old in zip(self._changes, saved):
+                words[index] = self._replayed(words, index, old, later)
+
+    @staticmethod
+    def _replayed(words: Tensor, index: Tensor, old: Tensor, later: list["WordPatch"]) -> Tensor:
+        """The words of ``index`` with this patch taken out: ``old`` (what it saved) with the rewrites of the patches
+        entered after it applied in their order; each of those now saves the words from before this patch."""
+        current = old.clone()
+        for patch in later:
+            for at, (other, other_index, rewrite) in enumerate(patch._changes):
+                if _storage(other) != _storage(words) or patch._saved is None:
+                    continue
+                mine, theirs = _common(index, other_index)
+                if mine.numel() == 0:
+                    continue
+                before = patch._saved[at].clone()
+                before[theirs] = current[mine]
+                patch._saved[at] = before
+                current[mine] = rewrite(before)[theirs]
+        return current
 
 
 def forced_patch(module: nn.Module, pins: Sequence[Pin], *,

@@ -455,11 +455,15 @@ def _onnx_reader(path: Path) -> _Reader:
         import onnx
     except ImportError as err:
         raise CheckError(f"reading {path} needs the onnx package: {EXPORT_EXTRA}") from err
+    size = path.stat().st_size
+    if size == 0:  # protobuf reads 0 bytes as an empty model: say what it is
+        raise CheckError(f"{path} is empty (0 bytes): nothing was written to it (an interrupted export or copy?)")
     try:
         # External data is read per tensor below: only the pinned tensors are loaded.
         model = onnx.load(str(path), load_external_data=False)
     except Exception as err:  # protobuf decode errors come in several types
-        raise CheckError(f"cannot read {path} as an ONNX model ({type(err).__name__}: {err})") from err
+        raise CheckError(f"cannot read {path} as an ONNX model: truncated or damaged ({size:,} bytes; "
+                         f"{type(err).__name__}: {' '.join(str(err).split())})") from err
     graph = model.graph
     if not graph.node and not graph.initializer:
         raise CheckError(f"{path} holds no ONNX graph")

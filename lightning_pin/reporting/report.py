@@ -294,6 +294,8 @@ def _plot_metric(ax: Any, report: Mapping[str, Any]) -> None:
         ax.axhline(baseline, color="tab:green", ls="--", lw=1.5, label=f"baseline (no pins) {_fmt(baseline)}")
     if forced is not None:
         ax.axhline(forced, color="tab:red", ls=":", lw=1.8, label=f"forced (pins set, no training) {_fmt(forced)}")
+    if report.get("chance") is not None:  # what guessing scores (lightning-pin train knows the classes)
+        ax.axhline(report["chance"], color="0.25", ls=(0, (1, 3)), lw=1.5, label=f"chance {_fmt(report['chance'])}")
     if report.get("recovered_step") is not None:
         ax.axvline(report["recovered_step"], color="0.4", ls="-.", lw=1,
                    label=f"first within tolerance at step {report['recovered_step']}")

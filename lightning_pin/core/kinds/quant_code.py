@@ -281,6 +281,13 @@ class QuantizedCode(Kind):
         if pin.bounds is not None:
             raise PinError(f"{pin!r}: code= and bounds= on the same pin: clamping can undo a stuck code bit; put "
                            "them on different elements (two pins)")
+        masks = [getattr(pin, field) for field in ("stuck_at_zero", "stuck_at_one")]
+        if all(raw is None or (not isinstance(raw, (Mapping, str, Path)) and _no_bit(raw)) for raw in masks):
+            # Such a pin would only snap the selected elements onto the code's grid at every step, silently.
+            raise PinError(f"{pin!r}: code= without a stuck bit (no stuck_at_zero= / stuck_at_one=, or masks of 0) "
+                           "marks no fault; it would only move the elements onto the code's grid. To train on the "
+                           "grid use lightning_pin.faults.quantize(model, params, code); for faulty code bits give "
+                           "stuck_at_zero= / stuck_at_one=")
         for field in ("stuck_at_zero", "stuck_at_one"):
             raw = getattr(pin, field)
             if raw is not None and not isinstance(raw, (Mapping, str, Path)):
@@ -756,6 +763,16 @@ def _mask(pin: Pin, name: str, field: str, raw: Any, bits: int, shape: tuple[int
         raise PinError(f"{pin!r}: {field} for {name!r} holds {int(wide.reshape(-1)[_first(bad)]):#x}, wider than the "
                        f"{bits}-bit code (masks 0x0..{(1 << bits) - 1:#x})")
     return per_element(pin, name, field, wide.to(torch.int32), shape, index, count)
+
+
+def _no_bit(raw: Any) -> bool:
+    """Whether a mask given in memory (an int, ints, a tensor) marks no bit at all."""
+    from lightning_pin.core.spec import number_leaves
+
+    if isinstance(raw, Tensor):
+        return not raw.is_floating_point() and raw.dtype != torch.bool and not bool(raw.detach().cpu().any())
+    leaves = [raw] if _is_int(raw) else list(number_leaves(raw))
+    return bool(leaves) and all(_is_int(x) and int(x) == 0 for x in leaves)
 
 
 def _too_wide(raw: Any, bits: int) -> Optional[int]:
