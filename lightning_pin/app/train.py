@@ -49,7 +49,7 @@ from lightning_pin.app.config import register_configs
 from lightning_pin.app.custom import OWN_OPTIMIZER, BuiltModel, build_datamodule, build_model, expand_params
 from lightning_pin.app.custom import is_app_data, model_name, data_target
 from lightning_pin.app.metric import LoggedMetric, LoggedMetricMonitor, check_mode
-from lightning_pin.app.fault_pins import draw_faults, save_faults
+from lightning_pin.app.fault_pins import default_neuron_modules, draw_faults, probe_output_pins, save_faults
 from lightning_pin.core import kinds
 from lightning_pin.app.pins import fault_map_pins, realize
 from lightning_pin.app.sweep import RUN_SUMMARY
@@ -185,6 +185,7 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
     check_classes(model, datamodule)
     pins = build_pins(cfg.pin, model)
     plan = resolve(kinds.split(pins)[0], model)  # raises PinError naming any weight pin that cannot be honoured
+    probe_output_pins(model, pins, datamodule)  # and any stuck-neuron pin: its checks need one forward
     pin_callback = build_pin_callback(cfg, pins, built)
     others = [instantiate(node, _convert_="all") for name, node in cfg.callbacks.items() if name != "pin_callback"]
     pretrainer = build_trainer(cfg, "pretrain", callbacks=metric_callbacks(cfg, built, None),
@@ -276,6 +277,10 @@ def build_pins(pin_cfg: DictConfig, model: torch.nn.Module, announce: bool = Fal
         generator = instantiate(pin_cfg.faults, _convert_="all")
         if isinstance(generator, functools.partial) and "params" in generator.keywords:
             generator = functools.partial(generator, params=expand_params(generator.keywords["params"], model))
+        if isinstance(generator, functools.partial) and "modules" in generator.keywords and (
+            generator.keywords["modules"] is None
+        ):  # pin=neuron_faults without pin.modules: the model's conv and linear layers
+            generator = functools.partial(generator, modules=default_neuron_modules(model))
         drawn = generator(model)
         if announce and getattr(drawn, "summary", None):
             log.info(drawn.summary)  # what was drawn, per parameter (announce: once, for the model retrained)

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.swa_utils import AveragedModel
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
@@ -254,6 +255,8 @@ class PinCallback(Callback):
         self._applied = True
         for _, averaged in averaged_modules(trainer):
             self._pin_averaged(averaged)  # copied at setup, before any pin was forced
+            for hold in self.outputs.values():  # the same chip: the averaged copy's forward has the stuck neurons
+                self._handles += hold.attach_to(averaged.module if isinstance(averaged, AveragedModel) else averaged)
         if self.monitor is not None:
             self.monitor.after_force(trainer, pl_module, self.engine)
 

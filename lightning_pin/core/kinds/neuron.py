@@ -695,6 +695,7 @@ class NeuronHold:
         self._composed: dict[tuple[str, frozenset[int]], _Composed] = {}
         self._seen: dict[str, tuple[int, ...]] = {}
         self._paused = False
+        self._hooks: dict[str, Callable[..., Any]] = {}  # one hook function per module: copies share it
         # Set by a version-1 saved state: its pins without axis= meant axis 1.
         self._default_axis: Optional[int] = None
 
@@ -731,9 +732,7 @@ class NeuronHold:
         every hook and module after it sees the stuck values."""
         if "torch._dynamo" in sys.modules:  # torch.compile is in use: have the eager path ready before tracing
             _out_of_graph()
-        return [
-            module.register_forward_hook(self._hook_for(name), prepend=True) for name, module in self._modules.items()
-        ]
+        return [module.register_forward_hook(self._hook(name), prepend=True) for name, module in self._modules.items()]
 
     def attach_to(self, copy: nn.Module) -> list[RemovableHandle]:
         """The same hooks on a copy of the model (an averaged copy of its weights: the same chip, so the
@@ -751,7 +750,19 @@ class NeuronHold:
                     f"the copy ({type(copy).__name__}) {what} {name!r} ({type(module).__name__}) that neuron pins stick: "
                     "average a copy of the pinned module (AveragedModel(model))"
                 )
-        return [modules[name].register_forward_hook(self._hook_for(name), prepend=True) for name in self._modules]
+        handles = []
+        for name in self._modules:
+            hooks = modules[name]._forward_hooks
+            for key in [k for k, h in hooks.items() if h is self._hooks.get(name)]:
+                del hooks[key]  # a deep copy taken after attach() holds our hook already, but no handle removes it
+            handles.append(modules[name].register_forward_hook(self._hook(name), prepend=True))
+        return handles
+
+    def _hook(self, name: str) -> Callable[..., Any]:
+        hook = self._hooks.get(name)
+        if hook is None:
+            hook = self._hooks[name] = self._hook_for(name)
+        return hook
 
     def _hook_for(self, name: str) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
