@@ -167,7 +167,8 @@ def _hf_conv1d_class():
 
 AXES = [
     (nn.Conv1d(2, 5, 1), (3, 5, 7), 1), (nn.Conv2d(2, 5, 1), (3, 5, 4, 4), 1), (nn.Conv3d(2, 5, 1), (3, 5, 2, 2, 2), 1),
-    (nn.ConvTranspose1d(2, 5, 1), (3, 5, 7), 1), (nn.BatchNorm1d(5), (3, 5, 7), 1), (nn.InstanceNorm1d(5), (3, 5, 7), 1),
+    (nn.ConvTranspose1d(2, 5, 1), (3, 5, 7), 1), (nn.BatchNorm1d(5), (3, 5, 7), 1),
+    (nn.InstanceNorm1d(5), (3, 5, 7), 1),
     (nn.GroupNorm(1, 5), (3, 5, 7), 1), (nn.Linear(2, 5), (3, 7, 5), 2), (nn.Bilinear(2, 2, 5), (3, 7, 5), 2),
     (nn.Embedding(9, 5), (3, 7, 5), 2), (nn.LayerNorm(5), (3, 7, 5), 2), (nn.RMSNorm(5), (3, 7, 5), 2),
     (nn.MultiheadAttention(4, 2, batch_first=True), (3, 7, 4), 2),
@@ -177,7 +178,9 @@ AXES = [
 ]
 
 
-@pytest.mark.parametrize(("module", "shape", "axis"), AXES, ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else None)
+@pytest.mark.parametrize(
+    ("module", "shape", "axis"), AXES, ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else None
+)
 def test_feature_axis_of_each_module_type(module, shape, axis):
     assert feature_axis(module, "m", shape) == axis
 
@@ -520,6 +523,10 @@ def test_app_neuron_faults_default_to_the_models_conv_and_linear_layers(tmp_path
                 "custom": ["backbone.proj", "backbone.head"]}[model]
     assert [p["modules"] for p in saved] == expected and all(p["axis"] == -1 for p in saved)
     assert summary["output_pins"] == len(expected) and summary["final"] is not None
+    # The run summary names the modules and the axis each used (a token sequence: its last).
+    axes = [line.split("(", 1)[1].split(")")[0] for line in summary["output_pin_modules"]]
+    assert [line.split()[0] for line in summary["output_pin_modules"]] == expected
+    assert axes == {"mlp": ["axis 1"] * 3, "custom": ["axis 2, the last", "axis 1"]}[model]
 
 
 def test_app_neuron_pin_errors_come_before_pretraining(tmp_path, rownet):

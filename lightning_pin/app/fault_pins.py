@@ -157,7 +157,8 @@ def default_neuron_modules(model: nn.Module) -> list[str]:
     try:
         return modules_of(model, expand_params(WEIGHTS_2D, model))
     except ValueError as err:  # ConfigError: no *.weight of 2+ dims
-        raise PinError(f"pin=neuron_faults: {err}".replace("pin.params=...", "pin.modules=[...] (module names)")) from None
+        message = f"pin=neuron_faults: {err}".replace("pin.params=...", "pin.modules=[...] (module names)")
+        raise PinError(message) from None
 
 
 #: Keys of a mapping batch that hold targets, not inputs of the forward (the probe's guess).

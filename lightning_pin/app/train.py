@@ -235,6 +235,10 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
     summary["train_loss"] = _last_loss(trainer)
     # Pins on module outputs (stuck neurons) hold in every forward, not in weights: counted apart.
     summary["output_pins"] = sum(len(group) for _, group in kinds.split(pins)[1])
+    # Which modules, which units, on which axis (resolved in this process; not after ddp_spawn's workers).
+    summary["output_pin_modules"] = [
+        line for hold in pin_callback.outputs.values() for line in hold.summary().splitlines()
+    ]
     classes = getattr(datamodule, "num_classes", None)
     chance = 1.0 / classes if classes and summary.get("metric") == "accuracy" else None
     summary["diverged"] = diverged(summary, higher_is_better=report.get("higher_is_better", True), chance=chance)
@@ -529,6 +533,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     if summary.get("output_pins"):
         lines.append(f"  outputs   {summary['output_pins']} pin(s) on module outputs (stuck neurons), held in every "
                      "forward by their hooks")
+        lines += [f"            {line}" for line in summary.get("output_pin_modules", [])[:8]]
     if not summary.get("pinned_elements") and not summary.get("output_pins"):
         lines.append("  pins      nothing pinned (no pin selects an element): nothing to verify")
     drift = []

@@ -60,8 +60,8 @@ def neuron_faults(
     same values). The output shapes come from ``batch`` (one forward, in the module's current
     mode, without gradients), else from the module's attributes (``out_channels``,
     ``out_features``, ``num_features``, ``embedding_dim``, ``embed_dim``, ``nf``,
-    ``normalized_shape``, ...) for ``per="channel"``; ``per="neuron"`` without ``batch`` gives a ``fraction`` pin (positions
-    resolved at the first forward; not with ``kind="value"``).
+    ``normalized_shape``, ...) for ``per="channel"``; ``per="neuron"`` without ``batch`` gives a
+    ``fraction`` pin (positions resolved at the first forward; not with ``kind="value"``).
 
     Raises:
         PinError: ``rate`` outside [0, 1], an unknown ``kind`` / ``per``, ``low >= high``, a pattern
@@ -143,14 +143,18 @@ def _draw(name: str, count: int, seed: int, low: float, high: float) -> tuple[Te
     return keys, values
 
 
-def _channel_axis(name: str, module: nn.Module, out: Optional[Tensor], axis: Optional[int]) -> tuple[Optional[int], int]:
+def _channel_axis(
+    name: str, module: nn.Module, out: Optional[Tensor], axis: Optional[int]
+) -> tuple[Optional[int], int]:
     """``(axis the pin names, channels on it)``: from the output of a batch when there is one, else from
     the module's type (its feature axis) and attributes (how many features)."""
     if out is not None:
         ndim = out.dim()
         if axis is not None:
             if not -ndim < axis < ndim:
-                raise PinError(f"neuron_faults: axis {axis} is not an axis of {name!r}'s output of shape {tuple(out.shape)}")
+                raise PinError(
+                    f"neuron_faults: axis {axis} is not an axis of {name!r}'s output of shape {tuple(out.shape)}"
+                )
             return axis, out.shape[axis]
         resolved = feature_axis(module, name, tuple(out.shape))
         by_type = module_feature_axis(module)

@@ -747,8 +747,8 @@ class NeuronHold:
             if held is None or type(held) is not type(module):
                 what = "lacks the module" if held is None else f"holds a {type(held).__name__} as"
                 raise PinError(
-                    f"the copy ({type(copy).__name__}) {what} {name!r} ({type(module).__name__}) that neuron pins stick: "
-                    "average a copy of the pinned module (AveragedModel(model))"
+                    f"the copy ({type(copy).__name__}) {what} {name!r} ({type(module).__name__}) that neuron pins "
+                    "stick: average a copy of the pinned module (AveragedModel(model))"
                 )
         handles = []
         for name in self._modules:
