@@ -287,9 +287,14 @@ def test_callback_checkpoint_of_version_1_resumes_on_axis_1(tmp_path):
     path = tmp_path / "old.ckpt"
     first.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=False)
-    states = [s for s in checkpoint["callbacks"].values() if "outputs" in s]
-    assert len(states) == 1
-    states[0]["outputs"]["neuron"] = _v1_state(pins, [])  # what the checkpoint held before the feature axis
+    keys = [k for k, s in checkpoint["callbacks"].items() if "outputs" in s]
+    assert len(keys) == 1
+    # What the checkpoint held before the feature axis: its key from the old fingerprints, a version-1 state.
+    state = checkpoint["callbacks"].pop(keys[0])
+    state["outputs"]["neuron"] = _v1_state(pins, [])
+    old_key = "PinCallback" + repr({"pins": [p.fingerprint(legacy=True) for p in pins]})
+    assert old_key != keys[0]
+    checkpoint["callbacks"][old_key] = state
     torch.save(checkpoint, path)
     model = LitSeq()
     recorder = Recorder(model.net.fc)
