@@ -437,7 +437,7 @@ def test_callback_holds_neuron_pins_in_training_and_validation(optimizer, caplog
     with caplog.at_level(logging.INFO):
         trainer(max_epochs=2, callbacks=[callback, recorder], limit_val_batches=2).fit(
             model, _cnn_loader(), _cnn_loader())
-    assert "net.conv1  output channels [3, 7]  stuck at 0.0" in caplog.text
+    assert "net.conv1  output channels [3, 7] (axis 1)  stuck at 0.0" in caplog.text
     assert {training for training, _ in recorder.outputs} == {True, False}
     assert len([t for t, _ in recorder.outputs if t]) == 8
     for _, out in recorder.outputs:

@@ -84,3 +84,29 @@ def test_callback_neuron_pins_add_no_sync_in_steady_state_steps(tmp_path):
             assert not added, f"batch {batch} (step {step}) adds syncs: {dict(added)}"
             counted += 1
     assert counted >= 25
+
+
+def test_feature_channels_over_varying_sequence_lengths_add_no_sync_after_the_first_forward():
+    """Whole features of a Linear over (batch, seq, features): one set of tensors serves every length."""
+
+    def run(pinned: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, foreach=True)
+        counter = SyncCounter()
+        handle = pin(model, opt, [NeuronPin("0", channels=[1, 4], value=0.5)]) if pinned else None
+        with counter:
+            for batch_idx, length in enumerate([3, 5, 7] * 4):
+                counter.batch = batch_idx
+                model(torch.randn(2, length, 4)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                counter.batch = None
+        if handle is not None:
+            handle.remove()
+        return counter
+
+    plain, pinned = run(False), run(True)
+    assert sum((pinned.counts[0] - plain.counts[0]).values()) > 0  # the first forward resolves (and may sync)
+    for batch in range(1, 12):
+        assert not pinned.counts[batch] - plain.counts[batch], f"batch {batch} adds syncs"

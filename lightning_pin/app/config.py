@@ -353,7 +353,9 @@ class BitFaultsConfig(PinsConfig):
 class NeuronFaultsConfig(PinsConfig):
     """``pin=neuron_faults``: stuck neurons drawn by :func:`lightning_pin.faults.neuron_faults` (``faults`` calls it)."""
 
-    modules: Any = MISSING
+    #: Names of ``named_modules()`` (globs, ``re:``); null: every conv and linear layer of the model (the
+    #: app's CNN: its two convolutions), see :func:`lightning_pin.app.fault_pins.default_neuron_modules`.
+    modules: Any = None
     rate: float = MISSING
     #: What a stuck neuron reads: sa0, sa1 (``high``) or value (seeded in [low, high)); neuron_faults' ``kind``.
     stuck: str = "sa0"

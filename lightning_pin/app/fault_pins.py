@@ -140,6 +140,87 @@ def modules_of(module: nn.Module, params: Union[str, Sequence[str]]) -> list[str
     return [name for name, _ in module.named_modules() if name and name in owners]
 
 
+def default_neuron_modules(model: nn.Module) -> list[str]:
+    """The modules ``pin=neuron_faults`` sticks units in unless ``pin.modules`` names them: those that own
+    the default pins' weights. The app's CNN: its two convolutions (``backbone.features.*``); any other
+    model (the app's MLP and transformer, a model of your own): every module with a ``*.weight`` of two
+    or more dimensions (every conv and linear layer), as the default weight pins.
+
+    Example::
+
+        >>> from lightning_pin.app.models import MLP, Classifier
+        >>> default_neuron_modules(Classifier(MLP(in_features=4, hidden=(8,), num_classes=2)))
+        ['backbone.layers.0', 'backbone.head']
+
+    Raises:
+        PinError: the model has no such module.
+    """
+    from lightning_pin.app.custom import WEIGHTS_2D, expand_params
+    from lightning_pin.app.models import Classifier, SmallCNN
+
+    if isinstance(model, Classifier) and isinstance(getattr(model, "backbone", None), SmallCNN):
+        return modules_of(model, "backbone.features.*.weight")
+    try:
+        return modules_of(model, expand_params(WEIGHTS_2D, model))
+    except ValueError as err:  # ConfigError: no *.weight of 2+ dims
+        message = f"pin=neuron_faults: {err}".replace("pin.params=...", "pin.modules=[...] (module names)")
+        raise PinError(message) from None
+
+
+#: Keys of a mapping batch that hold targets, not inputs of the forward (the probe's guess).
+_TARGET_KEYS = ("labels", "label", "y", "target", "targets")
+
+
+def probe_output_pins(model: nn.Module, pins: Sequence[Any], datamodule: Any) -> None:
+    """The first-forward checks of output pins (stuck neurons: the feature axis, channels inside the
+    output, its dtype, stuck bits that would read inf / NaN) on one training batch, in eval mode and
+    without gradients, so that every pin error ends the run before pretraining. The random state is
+    left as it was; a forward that fails for another reason is left for the fit to report.
+
+    Raises:
+        PinError: an output pin that cannot be honoured on the model.
+    """
+    from lightning_pin.core import kinds
+
+    _, outputs = kinds.split(list(pins))
+    if not outputs:
+        return
+    with torch.random.fork_rng(devices=[]):  # drawing the batch (a shuffled sampler) moves the global generator
+        try:
+            datamodule.setup("fit")
+            batch = next(iter(datamodule.train_dataloader()))
+        except Exception:  # noqa: BLE001 - the fit says what is wrong with the data
+            return
+        holds = [kind.hold(specs, model) for kind, specs in outputs]
+        hooks = [hook for hold in holds for hook in hold.attach()]
+        training = model.training
+        try:
+            model.eval()
+            with torch.no_grad():
+                _forward(model, batch)
+        except PinError:
+            raise
+        except Exception:  # noqa: BLE001 - not the pins' business: the fit reports it
+            pass
+        finally:
+            for hook in hooks:
+                hook.remove()
+            model.train(training)
+
+
+def _forward(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, Tensor):
+        return model(batch)
+    if isinstance(batch, (tuple, list)):
+        return model(batch[0])
+    if isinstance(batch, dict):
+        try:
+            return model(**{k: v for k, v in batch.items() if k not in _TARGET_KEYS})
+        except TypeError:
+            return model(batch)
+    return model(batch)
+
+
 def save_faults(pins: Sequence[Any], module: nn.Module, path: Union[str, Path]) -> None:
     """Save what the pins force, so two invocations can be checked for identical faults.
 

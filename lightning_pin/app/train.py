@@ -49,7 +49,7 @@ from lightning_pin.app.config import register_configs
 from lightning_pin.app.custom import OWN_OPTIMIZER, BuiltModel, build_datamodule, build_model, expand_params
 from lightning_pin.app.custom import is_app_data, model_name, data_target
 from lightning_pin.app.metric import LoggedMetric, LoggedMetricMonitor, check_mode
-from lightning_pin.app.fault_pins import draw_faults, save_faults
+from lightning_pin.app.fault_pins import default_neuron_modules, draw_faults, probe_output_pins, save_faults
 from lightning_pin.core import kinds
 from lightning_pin.app.pins import fault_map_pins, realize
 from lightning_pin.app.sweep import RUN_SUMMARY
@@ -201,6 +201,7 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
     check_classes(model, datamodule)
     pins = build_pins(cfg.pin, model)
     plan = resolve(kinds.split(pins)[0], model)  # raises PinError naming any weight pin that cannot be honoured
+    probe_output_pins(model, pins, datamodule)  # and any stuck-neuron pin: its checks need one forward
     pin_callback = build_pin_callback(cfg, pins, built)
     others = [instantiate(node, _convert_="all") for name, node in cfg.callbacks.items() if name != "pin_callback"]
     pretrainer = build_trainer(cfg, "pretrain", callbacks=metric_callbacks(cfg, built, None),
@@ -262,6 +263,10 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
     summary.update(remapped)
     # Pins on module outputs (stuck neurons) hold in every forward, not in weights: counted apart.
     summary["output_pins"] = sum(len(group) for _, group in kinds.split(pins)[1])
+    # Which modules, which units, on which axis (resolved in this process; not after ddp_spawn's workers).
+    summary["output_pin_modules"] = [
+        line for hold in pin_callback.outputs.values() for line in hold.summary().splitlines()
+    ]
     classes = getattr(datamodule, "num_classes", None)
     chance = 1.0 / classes if classes and summary.get("metric") == "accuracy" else None
     summary["chance"] = chance
@@ -311,6 +316,10 @@ def build_pins(pin_cfg: DictConfig, model: torch.nn.Module, announce: bool = Fal
         generator = instantiate(pin_cfg.faults, _convert_="all")
         if isinstance(generator, functools.partial) and "params" in generator.keywords:
             generator = functools.partial(generator, params=expand_params(generator.keywords["params"], model))
+        if isinstance(generator, functools.partial) and "modules" in generator.keywords and (
+            generator.keywords["modules"] is None
+        ):  # pin=neuron_faults without pin.modules: the model's conv and linear layers
+            generator = functools.partial(generator, modules=default_neuron_modules(model))
         drawn = generator(model)
         if announce and getattr(drawn, "summary", None):
             log.info(drawn.summary)  # what was drawn, per parameter (announce: once, for the model retrained)
@@ -583,6 +592,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     if summary.get("output_pins"):
         lines.append(f"  outputs   {summary['output_pins']} pin(s) on module outputs (stuck neurons), held in every "
                      "forward by their hooks")
+        lines += [f"            {line}" for line in summary.get("output_pin_modules", [])[:8]]
     if not summary.get("pinned_elements") and not summary.get("output_pins"):
         lines.append("  pins      nothing pinned (no pin selects an element): nothing to verify")
     drift = []

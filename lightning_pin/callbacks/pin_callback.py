@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.swa_utils import AveragedModel
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
@@ -34,6 +35,7 @@ from lightning_pin.core.modules import ParameterWatch, unwrap
 from lightning_pin.callbacks.monitor import PinMonitor
 from lightning_pin.core.plan import check_conflicts, check_targets_fit, refuse_sparse_gradients, resolve
 from lightning_pin.core.state import find_pin_states
+from lightning_pin.core.kinds.neuron import NeuronPin
 from lightning_pin.core.spec import Pin
 
 __all__ = ["PinCallback"]
@@ -168,6 +170,14 @@ class PinCallback(Callback):
             return self._generate_state_key(pins=self._fingerprints, copy=self._copy_index)
         return self._generate_state_key(pins=self._fingerprints)
 
+    def _legacy_state_key(self) -> str:
+        """The key these pins' state had before the neuron feature axis (``NeuronPin(axis=None)`` then
+        meant axis 1 and hashed so): a checkpoint saved then still resumes, on axis 1."""
+        fingerprints = [p.fingerprint(legacy=True) if isinstance(p, NeuronPin) else p.fingerprint() for p in self.pins]
+        if self._copy_index:
+            return self._generate_state_key(pins=fingerprints, copy=self._copy_index)
+        return self._generate_state_key(pins=fingerprints)
+
     def __getstate__(self) -> dict[str, Any]:
         if multiprocessing.context.get_spawning_popen() is not None:
             # Pickled into a process being spawned (ddp_spawn, in the main process, before any
@@ -259,6 +269,8 @@ class PinCallback(Callback):
         self._applied = True
         for _, averaged in averaged_modules(trainer):
             self._pin_averaged(averaged)  # copied at setup, before any pin was forced
+            for hold in self.outputs.values():  # the same chip: the averaged copy's forward has the stuck neurons
+                self._handles += hold.attach_to(averaged.module if isinstance(averaged, AveragedModel) else averaged)
         if self.monitor is not None:
             self.monitor.after_force(trainer, pl_module, self.engine)
 
@@ -502,7 +514,8 @@ class PinCallback(Callback):
         # Lightning silently skips callback state whose key matches no callback. Pin state that
         # no PinCallback of this trainer claims means targets would be lost: refuse instead.
         states = checkpoint.get("callbacks", {})
-        saved = [key for key in find_pin_states({"callbacks": states}) if states[key].get("pins")]
+        saved = [key for key in find_pin_states({"callbacks": states}) if states[key].get("pins")
+                 or states[key].get("outputs")]
         owners = _owners(trainer, states, saved)
         mine = [key for key, cb in owners.items() if cb is self and key != self.state_key]
         if mine:
@@ -525,6 +538,10 @@ def _owners(trainer: pl.Trainer, states: Mapping[str, Any], saved: Sequence[str]
     callback not yet served whose pins have the state's fingerprints."""
     callbacks = [cb for cb in trainer.callbacks if isinstance(cb, PinCallback)]
     owners = {cb.state_key: cb for cb in callbacks if cb.state_key in saved}
+    for cb in callbacks:
+        legacy = cb._legacy_state_key()
+        if legacy != cb.state_key and legacy in saved and cb not in owners.values():
+            owners[legacy] = cb
     for key in saved:
         if key not in owners:
             same = [

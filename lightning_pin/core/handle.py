@@ -434,7 +434,8 @@ class PinHandle:
         every ``averaged.update_parameters(model)``, the targets of the pins active at the last
         step (values, stuck bits, bounds) are written into its pinned elements, and into the
         buffers the pins hold (with ``use_buffers=True``); also at once, for a copy taken before
-        :func:`pin`. :meth:`verify` then checks the copy too. Removing the returned handle (or
+        :func:`pin`. Neuron pins stick the same units in the copy's forward (it is the same chip).
+        :meth:`verify` then checks the copy too. Removing the returned handle (or
         this one) stops it.
 
         Example::
@@ -480,6 +481,8 @@ class PinHandle:
                     f"hold(): the averaged copy ({type(copy).__name__}) {what} {name!r} "
                     f"{tuple(parameter.shape)}: average a copy of the pinned module (AveragedModel(model))"
                 )
+        # Stuck neurons are in the chip, not in the weights: the copy's forward has them too.
+        neuron_hooks = [h for output in self.outputs.values() for h in output.attach_to(copy)]
         update = averaged.update_parameters
 
         def update_and_hold(*args: Any, **kwargs: Any) -> Any:
@@ -500,6 +503,8 @@ class PinHandle:
                 else:
                     object.__setattr__(averaged, "update_parameters", update)  # another wrapper was there
             holds.pop(id(averaged), None)
+            for hook in neuron_hooks:
+                hook.remove()
 
         removable = _Undo(undo)
         holds[id(averaged)] = (type(averaged).__name__, copy, removable)

@@ -14,12 +14,18 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pin.core.errors import PinError
-from lightning_pin.core.kinds.neuron import NeuronPin, match_modules, name_seed
+from lightning_pin.core.kinds.neuron import (
+    NeuronPin, check_levels, feature_axis, match_modules, module_feature_axis, name_seed,
+)
 
 _KINDS = ("sa0", "sa1", "value")
 _PER = ("channel", "neuron")
-# The attributes that give a module's output channels (axis 1) without a forward.
-_CHANNEL_ATTRIBUTES = ("out_channels", "out_features", "num_features", "embedding_dim", "hidden_size")
+# The attributes that give the number of a module's features on its feature axis without a forward
+# (Hugging Face's Conv1D: nf; a transformer layer: its attention's embed_dim).
+_CHANNEL_ATTRIBUTES = (
+    "out_channels", "out_features", "num_features", "num_channels", "embedding_dim", "embed_dim", "nf",
+    "normalized_shape", "hidden_size",
+)
 
 
 def neuron_faults(
@@ -33,9 +39,16 @@ def neuron_faults(
     per: str = "channel",
     batch: Any = None,
     seed: int = 0,
+    axis: Optional[int] = None,
 ) -> list[NeuronPin]:
-    """A ``rate`` fraction of the channels (``per="channel"``, axis 1) or of the per-sample output
+    """A ``rate`` fraction of the channels (``per="channel"``) or of the per-sample output
     positions (``per="neuron"``) of each module of ``module`` that ``modules`` matches, stuck.
+
+    Channels are counted on each module's feature axis, the one :class:`~lightning_pin.NeuronPin`
+    sticks (axis 1 for a convolution's channels, the last axis for a linear layer's, an embedding's,
+    a norm's or a transformer layer's features, also over ``(batch, seq, features)``), and every
+    pin drawn names that axis (``axis=1`` / ``axis=-1``); ``axis=`` (an int) overrides it for every
+    module.
 
     ``kind="sa0"``: stuck at 0 (a dead unit); ``"sa1"``: stuck at ``high`` (saturated), or, with
     ``batch`` given, at the module's largest output magnitude on that batch (the largest over
@@ -45,20 +58,25 @@ def neuron_faults(
     a generator seeded with ``seed`` and the module's name: the same faults on every rank and run,
     and nested across rates (with one seed, a higher rate's faults hold a lower rate's, at the
     same values). The output shapes come from ``batch`` (one forward, in the module's current
-    mode, without gradients), else from the module's attributes (``out_channels``, ...) for
-    ``per="channel"``; ``per="neuron"`` without ``batch`` gives a ``fraction`` pin (positions
-    resolved at the first forward; not with ``kind="value"``).
+    mode, without gradients), else from the module's attributes (``out_channels``,
+    ``out_features``, ``num_features``, ``embedding_dim``, ``embed_dim``, ``nf``,
+    ``normalized_shape``, ...) for ``per="channel"``; ``per="neuron"`` without ``batch`` gives a
+    ``fraction`` pin (positions resolved at the first forward; not with ``kind="value"``).
 
     Raises:
         PinError: ``rate`` outside [0, 1], an unknown ``kind`` / ``per``, ``low >= high``, a pattern
-            matching no module, or a shape that cannot be known without ``batch``.
+            matching no module or matching a module and its descendants (see :class:`~lightning_pin.NeuronPin`),
+            a shape that cannot be known without ``batch``, or an output without a known feature axis.
 
     Example::
 
         >>> import torch
         >>> net = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
         >>> neuron_faults(net, "0", 0.25, seed=1)
-        [NeuronPin(modules='0', channels=(1, 3))]
+        [NeuronPin(modules='0', channels=(1, 3), axis=1)]
+        >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8))  # features: the last axis, (batch, seq, features) too
+        >>> neuron_faults(mlp, "0", 0.25, seed=1)
+        [NeuronPin(modules='0', channels=(1, 3), axis=-1)]
         >>> [p.channels for p in neuron_faults(net, "0", 0.5, seed=1)]  # nested: holds channels 1 and 3
         [(1, 2, 3, 4)]
     """
@@ -70,7 +88,11 @@ def neuron_faults(
         raise PinError(f"neuron_faults: per must be one of {_PER}, got {per!r}")
     if not (math.isfinite(low) and math.isfinite(high) and low < high):
         raise PinError(f"neuron_faults: need finite low < high, got low={low!r}, high={high!r}")
-    names = match_modules(NeuronPin(modules), [n for n, _ in module.named_modules() if n])
+    if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int) or axis == 0):
+        raise PinError(f"neuron_faults: axis must be None (each module's feature axis) or a non-zero int, got {axis!r}")
+    probe = NeuronPin(modules)
+    names = match_modules(probe, [n for n, _ in module.named_modules() if n])
+    check_levels(probe, names)
     if rate == 0:
         return []
     submodules = dict(module.named_modules())
@@ -83,8 +105,9 @@ def neuron_faults(
             stuck = 0.0
         elif kind == "sa1" and out is not None:
             stuck = _largest_magnitude(out)
+        pin_axis = axis
         if per == "channel":
-            count = out.shape[1] if out is not None else _channels(name, submodules[name])
+            pin_axis, count = _channel_axis(name, submodules[name], out, axis)
         elif out is not None:
             count = math.prod(out.shape[1:])
         else:
@@ -99,7 +122,7 @@ def neuron_faults(
         keys, values = _draw(name, count, seed, low, high)
         chosen = keys.argsort(stable=True)[: max(1, round(rate * count))].sort().values
         if per == "channel":
-            where: dict[str, Any] = {"channels": chosen.tolist()}
+            where: dict[str, Any] = {"channels": chosen.tolist(), "axis": pin_axis}
         else:
             shape = tuple(out.shape[1:])
             where = {"indices": [tuple(int(c) for c in torch.unravel_index(i, shape)) for i in chosen]}
@@ -120,11 +143,39 @@ def _draw(name: str, count: int, seed: int, low: float, high: float) -> tuple[Te
     return keys, values
 
 
+def _channel_axis(
+    name: str, module: nn.Module, out: Optional[Tensor], axis: Optional[int]
+) -> tuple[Optional[int], int]:
+    """``(axis the pin names, channels on it)``: from the output of a batch when there is one, else from
+    the module's type (its feature axis) and attributes (how many features)."""
+    if out is not None:
+        ndim = out.dim()
+        if axis is not None:
+            if not -ndim < axis < ndim:
+                raise PinError(
+                    f"neuron_faults: axis {axis} is not an axis of {name!r}'s output of shape {tuple(out.shape)}"
+                )
+            return axis, out.shape[axis]
+        resolved = feature_axis(module, name, tuple(out.shape))
+        by_type = module_feature_axis(module)
+        return (by_type if by_type is not None and ndim > 2 else resolved), out.shape[resolved]
+    by_type = module_feature_axis(module)
+    if axis is not None and axis != by_type:
+        raise PinError(
+            f"neuron_faults: channels of {name!r} ({type(module).__name__}) along axis {axis}: how many there are "
+            "needs the output's shape; give batch= (one input batch)"
+        )
+    return (axis if axis is not None else by_type), _channels(name, module)
+
+
 def _channels(name: str, module: nn.Module) -> int:
-    for attribute in _CHANNEL_ATTRIBUTES:
-        count = getattr(module, attribute, None)
-        if isinstance(count, int) and count > 0:
-            return count
+    for owner in (module, getattr(module, "self_attn", None)):  # a transformer layer: its attention's width
+        for attribute in _CHANNEL_ATTRIBUTES:
+            count = getattr(owner, attribute, None)
+            if isinstance(count, (tuple, list)) and count:
+                count = count[-1]  # normalized_shape: the last axis is the features
+            if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+                return count
     raise PinError(
         f"neuron_faults: cannot tell how many output channels {name!r} ({type(module).__name__}) has without a "
         "forward: give batch= (one input batch)"

@@ -47,14 +47,17 @@ from torch.utils.hooks import RemovableHandle
 from lightning_pin.core.bitwords import hex_word
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds._common import name_seed
-from lightning_pin.core.kinds.stuck_bits import BITS_DTYPES
+from lightning_pin.core.kinds.stuck_bits import BITS_DTYPES, EXPONENT_BITS, check_masks_hold
 
 _FIELDS = (
     "modules", "channels", "indices", "fraction", "seed", "axis", "value", "stuck_at_zero", "stuck_at_one",
     "start_step", "stop_step",
 )
-#: Version of the saved form (:meth:`NeuronHold.state_dict`).
-NEURON_STATE_VERSION = 1
+#: Version of the saved form (:meth:`NeuronHold.state_dict`). Version 1 (before the feature axis) saved no
+#: axis: its pins without ``axis=`` meant axis 1, and still do when such a state is loaded.
+NEURON_STATE_VERSION = 2
+#: The axis ``axis=None`` meant before the feature axis (saved states of version 1).
+LEGACY_AXIS = 1
 
 
 class _DefaultValue(float):
@@ -89,14 +92,21 @@ class NeuronPin:
     Args:
         modules: A name of ``named_modules()``, a glob (``"layer*.conv1"``), a ``re:`` pattern (the
             whole name must match), or a list of them.
-        channels: Whole channels along ``axis`` (counted with the batch dimension as axis 0:
-            ``axis=1`` is a convolution's channels or a linear layer's features).
+        channels: Whole channels along ``axis``, held at every position of every other axis (every
+            pixel, every token, whatever the sequence length of each forward).
         indices: Positions in the per-sample output shape (tuples, or ints for a 1-d per-sample shape).
         fraction: A seeded ``round(fraction * n)`` (at least 1) of the ``n`` per-sample positions,
             drawn from ``seed`` and the module's name: the same on every rank, run and resume, and
             nested (a larger fraction with the same seed holds every position of a smaller one).
         seed: The seed of ``fraction``.
-        axis: The axis of ``channels``.
+        axis: The axis of ``channels``, counted with the batch as axis 0 (``-1``: the last). ``None``
+            (default): the module's feature axis, decided at its first forward (see
+            :func:`feature_axis`): axis 1 for convolutions, transposed convolutions and batch /
+            instance / group norms; the last axis for ``Linear``, ``Bilinear``, ``Embedding``,
+            ``LayerNorm``, ``RMSNorm``, ``MultiheadAttention``, ``TransformerEncoderLayer`` /
+            ``DecoderLayer`` and Hugging Face's ``Conv1D`` (a linear layer's features, also over
+            ``(batch, seq, features)``); axis 1 for any 2-D output and for a 4-D / 5-D output of
+            another module; a 3-D output of another module is refused (give ``axis=1`` or ``-1``).
         value: What the selected positions read: a number, or one number per channel / index.
         stuck_at_zero: Bits stuck at 0 in the output word (an int; ``0x80000000`` is float32's sign bit).
         stuck_at_one: Bits stuck at 1. With either, the computed value keeps its other bits; ``value``
@@ -105,7 +115,12 @@ class NeuronPin:
         stop_step: The pin is active up to this step, exclusive (default: to the end).
 
     At most one of ``channels``, ``indices`` and ``fraction``; none means the whole output. A
-    module returning a tuple has its first output stuck. Bad fields raise
+    module returning a tuple has its first output stuck.
+
+    A dead unit is in one layer: a glob or ``re:`` pattern that matches a module and one of its
+    descendants (``block.*`` matching ``block.0`` and ``block.0.0``) is refused when the pin is
+    placed, naming both; list the names (``["block.0", "block.0.0"]``) to pin both levels on purpose.
+    The pins' summary names every matched module (and the pattern that matched it). Bad fields raise
     :class:`~lightning_pin.PinError` here; what needs the output (its shape and dtype) is checked
     on the module's first forward, before it returns.
 
@@ -126,7 +141,7 @@ class NeuronPin:
     indices: Optional[Sequence[Any]] = None
     fraction: Optional[float] = None
     seed: int = 0
-    axis: int = 1
+    axis: Optional[int] = None
     value: Union[float, Sequence[float]] = _ZERO
     stuck_at_zero: Optional[int] = None
     stuck_at_one: Optional[int] = None
@@ -181,11 +196,17 @@ class NeuronPin:
         start = self.start_step or 0
         return step >= start and (self.stop_step is None or step < self.stop_step)
 
-    def fingerprint(self) -> str:
-        """A digest of every field: stable across processes, so a resume finds its state."""
+    def fingerprint(self, *, legacy: bool = False) -> str:
+        """A digest of every field: stable across processes, so a resume finds its state.
+
+        ``legacy``: the digest a pin with these fields had before the feature axis (``axis=None``
+        was then ``axis=1``), which a version-1 saved state holds.
+        """
         digest = hashlib.sha256(b"NeuronPin")
         for name in _FIELDS:
             value = getattr(self, name)
+            if legacy and name == "axis" and value is None:
+                value = LEGACY_AXIS
             digest.update(f"{name}={value!r};".encode())
         return digest.hexdigest()[:16]
 
@@ -212,10 +233,13 @@ class NeuronPin:
             config[field.name] = plain(value)
         return config
 
-    def describe(self) -> str:
-        """The summary's words: where in the output and what it reads."""
+    def describe(self, axis: Optional[str] = None) -> str:
+        """The summary's words: where in the output and what it reads (``axis``: the words for the axis
+        in use, when the pin is on a module; else its ``axis`` field)."""
         if self.channels is not None:
-            where = f"output channels {list(self.channels)}" + ("" if self.axis == 1 else f" (axis {self.axis})")
+            if axis is None:
+                axis = "the feature axis" if self.axis is None else f"axis {self.axis}"
+            where = f"output channels {list(self.channels)} ({axis})"
         elif self.indices is not None:
             shown = list(self.indices[:6])
             where = f"output positions {shown}{' ...' if len(self.indices) > 6 else ''}"
@@ -287,8 +311,11 @@ def _check(pin: NeuronPin) -> None:
             raise PinError(f"{pin!r}: fraction must be a number in (0, 1], got {f!r}")
     if not _is_int(pin.seed):
         raise PinError(f"{pin!r}: seed must be an integer, got {pin.seed!r}")
-    if not _is_int(pin.axis) or pin.axis == 0:
-        raise PinError(f"{pin!r}: axis must be a non-zero integer (axis 0 is the batch), got {pin.axis!r}")
+    if pin.axis is not None and (not _is_int(pin.axis) or pin.axis == 0):
+        raise PinError(
+            f"{pin!r}: axis must be None (the module's feature axis) or a non-zero integer (axis 0 is the batch), "
+            f"got {pin.axis!r}"
+        )
     values = pin.value if isinstance(pin.value, tuple) else (pin.value,)
     if not values or not all(
         isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values
@@ -352,6 +379,94 @@ def match_modules(pin: NeuronPin, names: Sequence[str]) -> list[str]:
     return [n for n in names if n in hits]
 
 
+def _is_exact(pattern: str) -> bool:
+    """Whether ``pattern`` names one module (no glob character, not ``re:``)."""
+    return not pattern.startswith("re:") and not any(c in pattern for c in "*?[")
+
+
+def check_levels(pin: NeuronPin, matched: Sequence[str]) -> None:
+    """Refuse a pin whose glob / ``re:`` patterns match a module and one of its descendants.
+
+    A dead unit is in one layer: ``block.*`` matching ``block.0`` and ``block.0.0`` would stick the
+    channel twice, in the block's output and in its inner layer's. Both levels may be pinned when
+    each of them is named exactly (``["block.0", "block.0.0"]``).
+
+    Raises:
+        PinError: naming the first module matched at two levels, the patterns and what to give instead.
+    """
+    exact = {p for p in pin.patterns if _is_exact(p)}
+    named = {n for n in matched if n in exact or n.replace("_orig_mod.", "") in exact}
+    for outer in matched:
+        inner = [n for n in matched if n.startswith(outer + ".") and not (outer in named and n in named)]
+        if inner:
+            parent = re.escape(outer.rpartition(".")[0] or outer)
+            raise PinError(
+                f"{pin!r}: its patterns match {outer!r} and modules inside it ({inner[:4]}"
+                f"{' ...' if len(inner) > 4 else ''}): a stuck unit is in one layer, and the channel would be stuck at "
+                f"every level. Give patterns that match one level only (e.g. 're:{parent}\\.\\d+' "
+                "or a list of names), or name each module exactly to pin several levels on purpose"
+            )
+
+
+#: Modules whose feature axis is 1 (channels first): convolutions, transposed convolutions, norms over channels.
+_CHANNELS_FIRST: tuple[type, ...] = (
+    nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.GroupNorm,
+)
+#: Modules whose feature axis is the last (a linear layer's features, also over ``(batch, seq, features)``).
+_FEATURES_LAST: tuple[type, ...] = (
+    nn.Linear, nn.Bilinear, nn.Embedding, nn.LayerNorm, nn.MultiheadAttention, nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2's linear layers, weight ``(in, out)``), told by class and module
+    name: ``transformers`` is not imported for it."""
+    kind = type(module)
+    return kind.__name__ == "Conv1D" and kind.__module__.split(".")[0] == "transformers"
+
+
+def module_feature_axis(module: nn.Module) -> Optional[int]:
+    """The feature axis the module's type tells: ``1`` (channels first), ``-1`` (features last) or ``None``."""
+    if isinstance(module, _CHANNELS_FIRST):
+        return 1
+    if isinstance(module, _FEATURES_LAST) or _is_hf_conv1d(module):
+        return -1
+    return None
+
+
+def feature_axis(module: nn.Module, name: str, shape: Sequence[int]) -> int:
+    """The axis (1 .. ndim-1) of ``module``'s output of ``shape`` that holds its features: what
+    ``NeuronPin(axis=None)`` sticks channels along (see :class:`NeuronPin`'s ``axis``).
+
+    Example::
+
+        >>> feature_axis(nn.Linear(4, 8), "fc", (2, 5, 8)), feature_axis(nn.Conv1d(3, 8, 1), "conv", (2, 8, 5))
+        (2, 1)
+
+    Raises:
+        PinError: a 3-D (or 6-D and more) output of a module whose type does not tell its feature axis.
+    """
+    ndim = len(shape)
+    if ndim == 2:
+        return 1
+    axis = module_feature_axis(module)
+    if axis is not None:
+        return axis % ndim
+    if ndim in (4, 5):
+        return 1
+    raise PinError(
+        f"neuron pin on {name!r} ({type(module).__name__}): its output of shape {tuple(shape)} has no known feature "
+        f"axis (channels first or last?): give axis=1 (channels first, like a convolution's) or axis=-1 (features "
+        "last, like a linear layer's over (batch, seq, features))"
+    )
+
+
+def axis_words(axis: int, ndim: int) -> str:
+    """``axis 1`` / ``axis 2, the last``: the summary's name of the axis in use."""
+    return f"axis {axis}" + (", the last" if axis == ndim - 1 and ndim > 2 else "")
+
+
 def fraction_positions(name: str, numel: int, fraction: float, seed: int) -> Tensor:
     """``round(fraction * numel)`` (at least 1) flat per-sample positions, sorted: those with the
     smallest seeded random keys, so a larger fraction with the same seed holds a smaller one's."""
@@ -374,6 +489,7 @@ class _Entry:
     shape: tuple[int, ...]  # with the batch axis (size 1)
     flat: Tensor  # int64, sorted, into prod(shape)
     values: Optional[Tensor] = None  # float64, one per flat position (value pins)
+    axis: Optional[int] = None  # channels: the axis in use (1 .. ndim-1)
 
     def dense(self, full: tuple[int, ...]) -> tuple[Tensor, Optional[Tensor]]:
         """The mask (and values) in ``full``'s broadcast shape, on the CPU."""
@@ -387,12 +503,23 @@ class _Entry:
         return mask.clone(), values.reshape(self.shape).expand(full).clone()
 
 
-def _resolve_entry(pin_id: int, pin: NeuronPin, name: str, out: Tensor, saved: Optional[Mapping[str, Any]]) -> _Entry:
+def _resolve_entry(
+    pin_id: int, pin: NeuronPin, name: str, module: nn.Module, out: Tensor, saved: Optional[Mapping[str, Any]],
+    default_axis: Optional[int],
+) -> _Entry:
     where = f"{pin!r} on {name!r}"
     sample = tuple(out.shape[1:])
     ndim = out.dim()
+    axis: Optional[int] = None
     if pin.channels is not None:
-        axis = pin.axis if pin.axis > 0 else pin.axis + ndim
+        if saved is not None and saved.get("axis") is not None:
+            axis = int(saved["axis"])  # the axis the state was saved with: it means the same thing
+        elif pin.axis is not None:
+            axis = pin.axis if pin.axis > 0 else pin.axis + ndim
+        elif default_axis is not None:  # a version-1 state: axis=None meant axis 1 then
+            axis = default_axis
+        else:
+            axis = feature_axis(module, name, tuple(out.shape))
         if not 1 <= axis < ndim:
             raise PinError(
                 f"{where}: axis {pin.axis} is not a channel axis of its output of shape {tuple(out.shape)} (axis 0 is "
@@ -452,7 +579,24 @@ def _resolve_entry(pin_id: int, pin: NeuronPin, name: str, out: Tensor, saved: O
         cast = values.to(out.dtype)
         if not torch.isfinite(cast).all():
             raise PinError(f"{where}: value {pin.value!r} overflows its output's dtype {out.dtype}")
-    return _Entry(pin_id, pin, shape, flat, values)
+    return _Entry(pin_id, pin, shape, flat, values, axis)
+
+
+def _check_masks(pin: NeuronPin, name: str, dtype: torch.dtype, width: int) -> None:
+    """The weight pins' check (:func:`~lightning_pin.core.kinds.stuck_bits.check_masks_hold`) on a neuron
+    pin's masks in its output's word: stuck bits that alone make every value inf or NaN are refused."""
+    int_dtype = BITS_DTYPES[dtype]
+    zero = torch.tensor([_signed(pin.stuck_at_zero or 0, width)], dtype=int_dtype)
+    one = torch.tensor([_signed(pin.stuck_at_one or 0, width)], dtype=int_dtype)
+    check_masks_hold(
+        zero, one, dtype,
+        overlap=lambda at, bits: f"{pin!r} on {name!r}: bits {bits} stuck at 0 and at 1",
+        every_exponent=lambda at, ones: (
+            f"{pin!r} on {name!r}: stuck_at_one={ones} sets every exponent bit of its output's {dtype} word "
+            f"({hex_word(EXPONENT_BITS[dtype], width)}): the stuck units would read inf or NaN whatever the layer "
+            "computes; leave at least one exponent bit free"
+        ),
+    )
 
 
 def _signed(mask: int, width: int) -> int:
@@ -538,7 +682,9 @@ class NeuronHold:
         #: Module name -> the ids of the pins on it.
         self.matched: dict[str, list[int]] = {}
         for pin_id, p in enumerate(self.pins):
-            for name in match_modules(p, names):
+            found = match_modules(p, names)
+            check_levels(p, found)
+            for name in found:
                 self.matched.setdefault(name, []).append(pin_id)
         self.matched = {n: self.matched[n] for n in names if n in self.matched}
         self._modules = {n: modules[n] for n in self.matched}
@@ -551,6 +697,9 @@ class NeuronHold:
         # The steps [first, end) over which set_step has nothing to change (no start or stop).
         self._span: tuple[int, int] = (0, 0)
         self._paused = False
+        self._hooks: dict[str, Callable[..., Any]] = {}  # one hook function per module: copies share it
+        # Set by a version-1 saved state: its pins without axis= meant axis 1.
+        self._default_axis: Optional[int] = None
 
     # --------------------------------------------------------------------------------------
     # Steps
@@ -591,9 +740,37 @@ class NeuronHold:
         every hook and module after it sees the stuck values."""
         if "torch._dynamo" in sys.modules:  # torch.compile is in use: have the eager path ready before tracing
             _out_of_graph()
-        return [
-            module.register_forward_hook(self._hook_for(name), prepend=True) for name, module in self._modules.items()
-        ]
+        return [module.register_forward_hook(self._hook(name), prepend=True) for name, module in self._modules.items()]
+
+    def attach_to(self, copy: nn.Module) -> list[RemovableHandle]:
+        """The same hooks on a copy of the model (an averaged copy of its weights: the same chip, so the
+        same stuck units), on its modules of the same names; they share this runtime's steps and positions.
+
+        Raises:
+            PinError: the copy lacks a pinned module or holds another type there.
+        """
+        modules = dict(copy.named_modules())
+        for name, module in self._modules.items():
+            held = modules.get(name)
+            if held is None or type(held) is not type(module):
+                what = "lacks the module" if held is None else f"holds a {type(held).__name__} as"
+                raise PinError(
+                    f"the copy ({type(copy).__name__}) {what} {name!r} ({type(module).__name__}) that neuron pins "
+                    "stick: average a copy of the pinned module (AveragedModel(model))"
+                )
+        handles = []
+        for name in self._modules:
+            hooks = modules[name]._forward_hooks
+            for key in [k for k, h in hooks.items() if h is self._hooks.get(name)]:
+                del hooks[key]  # a deep copy taken after attach() holds our hook already, but no handle removes it
+            handles.append(modules[name].register_forward_hook(self._hook(name), prepend=True))
+        return handles
+
+    def _hook(self, name: str) -> Callable[..., Any]:
+        hook = self._hooks.get(name)
+        if hook is None:
+            hook = self._hooks[name] = self._hook_for(name)
+        return hook
 
     def _hook_for(self, name: str) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
@@ -623,8 +800,11 @@ class NeuronHold:
             # Per dtype and device too: a mixed-precision training forward and a float32 evaluation
             # alternate without rebuilding anything.
             composed = self._composed.get((name, active, out.dtype, out.device))
-            same_shape = self._seen.get(name) == tuple(out.shape[1:])
-            if composed is not None and out.dim() == len(composed.shape) and same_shape:
+            # Whole channels broadcast over every other axis: a forward of another sequence length
+            # (or image size) reuses them as they are.
+            if composed is not None and out.dim() == len(composed.shape) and all(
+                c == 1 or c == o for c, o in zip(composed.shape[1:], out.shape[1:])
+            ):
                 return composed
         if torch.compiler.is_compiling():
             return _out_of_graph()(self, name, out, active)
@@ -644,7 +824,9 @@ class NeuronHold:
             raise PinError(f"neuron pins on {name!r}: its output is a scalar; a batch axis is needed")
         if name not in self._entries:
             entries = [
-                _resolve_entry(i, self.pins[i], name, out, self._saved.get((i, name))) for i in self.matched[name]
+                _resolve_entry(i, self.pins[i], name, self._modules[name], out, self._saved.get((i, name)),
+                               self._default_axis)
+                for i in self.matched[name]
             ]
             width = torch.iinfo(BITS_DTYPES[out.dtype]).bits
             for e in entries:
@@ -655,6 +837,8 @@ class NeuronHold:
                             f"{e.pin!r} on {name!r}: {field}={hex(mask)} is wider than its output's {out.dtype} word "
                             f"({width} bits); give a mask below {hex(1 << width)}"
                         )
+                if e.pin.stuck_bits:
+                    _check_masks(e.pin, name, out.dtype, width)
             _check_agree(name, entries, tuple(out.shape))
             self._entries[name] = entries
         entries = self._entries[name]
@@ -678,17 +862,47 @@ class NeuronHold:
     # Words and the saved form
 
     def summary(self) -> str:
-        """One line per (module, pin): ``layer1.0.conv1  output channels [3, 7]  stuck at 0.0``."""
-        return "\n".join(f"{name}  {self.pins[i].describe()}" for name, ids in self.matched.items() for i in ids)
+        """One line per (module, pin): ``layer1.0.conv1  output channels [3, 7] (axis 1)  stuck at 0.0``,
+        with the axis in use (resolved, or what the module's type tells before its first forward) and,
+        for a glob or ``re:`` pattern, the pattern that matched the module."""
+        lines = []
+        for name, ids in self.matched.items():
+            for i in ids:
+                pin = self.pins[i]
+                via = "" if name in pin.patterns else f"  (matched by {pin.modules!r})"
+                lines.append(f"{name}  {pin.describe(self.axis_words(name, i))}{via}")
+        return "\n".join(lines)
+
+    def axis_words(self, name: str, pin_id: int) -> Optional[str]:
+        """The channel axis a pin uses on a module, in words (``None`` for a pin without channels)."""
+        pin = self.pins[pin_id]
+        if pin.channels is None:
+            return None
+        entry = next((e for e in self._entries.get(name, ()) if e.pin_id == pin_id), None)
+        if entry is not None and entry.axis is not None:
+            return axis_words(entry.axis, len(entry.shape))
+        if pin.axis is not None:
+            return f"axis {pin.axis}"
+        if self._default_axis is not None:
+            return f"axis {self._default_axis}"
+        by_type = module_feature_axis(self._modules[name])
+        if by_type == 1:
+            return "axis 1"
+        if by_type == -1:
+            return "axis -1, the last"
+        return "feature axis: 1 for a 2-D, 4-D or 5-D output"
 
     def state_dict(self) -> dict[str, Any]:
         """The pins' fingerprints and the positions resolved so far (tensors, lists, primitives)."""
         return {
             "version": NEURON_STATE_VERSION,
             "fingerprints": [p.fingerprint() for p in self.pins],
+            # What axis=None means for the modules not resolved yet (None: the feature axis; 1: loaded from a
+            # version-1 state, where it meant axis 1).
+            "default_axis": self._default_axis,
             "step": self.step,
             "positions": [
-                {"pin": e.pin_id, "module": name, "shape": list(e.shape), "flat": e.flat.clone()}
+                {"pin": e.pin_id, "module": name, "shape": list(e.shape), "flat": e.flat.clone(), "axis": e.axis}
                 for name, entries in self._entries.items()
                 for e in entries
             ],
@@ -709,8 +923,15 @@ class NeuronHold:
                 )
             warn(f"strict=False: ignoring saved neuron-pin state: {problem}")
             return
+        legacy = state["version"] == 1
+        self._default_axis = LEGACY_AXIS if legacy else state.get("default_axis")
         self._saved = {
-            (int(p["pin"]), str(p["module"])): {"shape": tuple(int(s) for s in p["shape"]), "flat": p["flat"]}
+            (int(p["pin"]), str(p["module"])): {
+                "shape": tuple(int(s) for s in p["shape"]),
+                "flat": p["flat"],
+                # Version 1 saved no axis: its channels were along axis 1 unless the pin said otherwise.
+                "axis": p.get("axis") if not legacy else _legacy_axis(self.pins[int(p["pin"])], len(p["shape"])),
+            }
             for p in state["positions"]
         }
         self._entries.clear()  # resolved again, on the saved positions, at the next forward
@@ -718,10 +939,18 @@ class NeuronHold:
         self._seen.clear()
 
 
+def _legacy_axis(pin: NeuronPin, ndim: int) -> Optional[int]:
+    if pin.channels is None:
+        return None
+    axis = LEGACY_AXIS if pin.axis is None else pin.axis
+    return axis if axis > 0 else axis + ndim
+
+
 def _state_problem(state: Any, hold: NeuronHold) -> str:
-    if not isinstance(state, Mapping) or state.get("version") != NEURON_STATE_VERSION:
-        return f"it is not a version-{NEURON_STATE_VERSION} neuron-pin state"
-    mine = [p.fingerprint() for p in hold.pins]
+    if not isinstance(state, Mapping) or state.get("version") not in (1, NEURON_STATE_VERSION):
+        return f"it is not a version-1 or -{NEURON_STATE_VERSION} neuron-pin state"
+    # A version-1 state was saved before the feature axis: its fingerprints hashed axis=None as axis=1.
+    mine = [p.fingerprint(legacy=state["version"] == 1) for p in hold.pins]
     if list(state.get("fingerprints", ())) != mine:
         return f"it holds pins {list(state.get('fingerprints', ()))}, these are {mine}"
     for p in state.get("positions", ()):
@@ -798,4 +1027,7 @@ class NeuronKind:
         return NeuronHold(pins, module)
 
 
-__all__ = ["NeuronHold", "NeuronKind", "NeuronPin", "fraction_positions", "match_modules"]
+__all__ = [
+    "NeuronHold", "NeuronKind", "NeuronPin", "check_levels", "feature_axis", "fraction_positions", "match_modules",
+    "module_feature_axis",
+]
