@@ -129,7 +129,7 @@ def _live_code_pins(model: nn.Module) -> dict[str, QuantCode]:
             continue
         for resolved in handle.engine.plan.pins:
             for name, selection in resolved.selections.items():
-                code = selection.context.get("code") if selection.kind == "quant_code" else None
+                code = selection.context.get("code")  # only a code pin carries a QuantCode
                 if isinstance(code, QuantCode):
                     found[name] = code
     return found
