@@ -1,12 +1,13 @@
-"""The README's fault-study tables, made from real runs of ``lightning-pin faults``.
+"""The docs' fault-study tables, made from real runs of ``lightning-pin faults``.
 
     python benchmarks/readme_tables.py --run DIR   # run the studies into DIR (about 5 minutes on 2 cores), keep
-                                                   # their CSVs in docs/data/, write the tables into README.md
+                                                   # their CSVs in docs/data/, write the tables into their pages
     python benchmarks/readme_tables.py             # only write the tables again from docs/data/*.csv
-    python benchmarks/readme_tables.py --check     # exit 1 when README.md's tables differ from docs/data/
+    python benchmarks/readme_tables.py --check     # exit 1 when a page's table differs from docs/data/
 
-Each table sits in README.md between ``<!-- table:NAME -->`` and ``<!-- /table -->``;
-tests/test_readme_tables.py checks that they are what :func:`render` makes of the kept CSVs.
+Each table sits in its docs page (:data:`PAGES`: the README's tables before the docs site) between
+``<!-- table:NAME -->`` and ``<!-- /table -->``; tests/test_readme_tables.py checks that they are what
+:func:`render` makes of the kept CSVs.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
 DATA = ROOT / "docs" / "data"
 
-__all__ = ["FIGURES", "STUDIES", "TABLES", "plot_figures", "render", "replace_tables", "run_studies"]
+__all__ = ["FIGURES", "PAGES", "STUDIES", "TABLES", "plot_figures", "render", "replace_tables", "run_studies"]
 
 #: name -> the ``lightning-pin faults`` arguments of one study (its CSV: docs/data/<name>.csv).
 STUDIES: dict[str, list[str]] = {
@@ -106,10 +106,15 @@ def recovery_table() -> str:
 
 #: name -> the function that makes its table from docs/data/.
 TABLES: dict[str, Callable[[], str]] = {"fault_study": fault_study_table, "recovery": recovery_table}
+#: name -> the docs page that holds the table between its markers.
+PAGES: dict[str, Path] = {
+    "fault_study": ROOT / "docs" / "how-to" / "fault-study.md",
+    "recovery": ROOT / "docs" / "how-to" / "recovery.md",
+}
 
 
 def render(name: str) -> str:
-    """The table ``name`` as README.md holds it (markdown), made from the kept CSVs."""
+    """The table ``name`` as its page (:data:`PAGES`) holds it (markdown), made from the kept CSVs."""
     return TABLES[name]()
 
 
@@ -124,8 +129,9 @@ def readme_table(text: str, name: str) -> str:
     return text[head:text.index(end, head)].strip("\n")
 
 
-def replace_tables(text: str) -> str:
-    for name in TABLES:
+def replace_tables(text: str, names: Sequence[str] = tuple(TABLES)) -> str:
+    """``text`` with the tables ``names`` rewritten between their markers."""
+    for name in names:
         start, end = _marker(name)
         head = text.index(start) + len(start)
         tail = text.index(end, head)
@@ -170,18 +176,18 @@ def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", type=Path, metavar="DIR", help="run the studies into DIR first")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--check", action="store_true", help="exit 1 when README.md's tables are not up to date")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a page's table is not up to date")
     args = parser.parse_args(list(argv))
     if args.run is not None:
         run_studies(args.run, args.jobs)
-    text = README.read_text()
-    new = replace_tables(text)
     if args.check:
-        stale = [name for name in TABLES if readme_table(text, name) != render(name)]
+        stale = [f"{name} ({PAGES[name].name})" for name in TABLES
+                 if readme_table(PAGES[name].read_text(), name) != render(name)]
         if stale:
-            print(f"README.md's tables {', '.join(stale)} differ from docs/data: python benchmarks/readme_tables.py")
+            print(f"the tables {', '.join(stale)} differ from docs/data: python benchmarks/readme_tables.py")
         return 1 if stale else 0
-    README.write_text(new)
+    for name, page in PAGES.items():
+        page.write_text(replace_tables(page.read_text(), [name]))
     plot_figures()
     for name in TABLES:
         print(render(name), end="\n\n")

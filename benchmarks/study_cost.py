@@ -2,7 +2,7 @@
 
     python benchmarks/study_cost.py              # a 1.2M-parameter ResNet-like CNN, 4-job study, 3 rounds
     python benchmarks/study_cost.py --smoke      # tiny sizes, one round (tests/test_study_cost.py runs it)
-    python benchmarks/study_cost.py --figure docs/study_cost.png   # also draw the figure the README shows
+    python benchmarks/study_cost.py --figure docs/study_cost.png   # also draw the figure of the performance page
 
 One process, after a warm-up: each round times a plain ``Trainer.fit`` of the job's steps (the same
 model loaded from the same baseline, the same data, epochs, batches and validations, a fresh

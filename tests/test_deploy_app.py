@@ -139,13 +139,14 @@ def test_without_the_extra_the_commands_name_it(tmp_path, fork_runner):
     assert all(line.startswith("PinError") and "lightning-pin[deploy]" in line for line in lines[2:]), lines
 
 
-def test_the_readme_deploying_int8_commands_run_as_written(tmp_path, fork_runner):
-    """The "Deploying int8" bash block, line by line, in an empty directory (train and faults made tiny)."""
+def test_the_deploy_int8_page_commands_run_as_written(tmp_path, fork_runner):
+    """The command-line block of docs/how-to/deploy-int8.md (the README's "Deploying int8" before the docs site),
+    line by line, in an empty directory (train and faults made tiny)."""
     import re
     import shlex
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Deploying int8"):]
+    page = (ROOT / "docs" / "how-to" / "deploy-int8.md").read_text()
+    section = page[page.index("## From the command line"):]
     block = re.search(r"^```bash\n(.*?)^```$", section, re.M | re.S).group(1)
     lines = [line for line in block.splitlines() if line.startswith("lightning-pin")]
     assert [shlex.split(line)[1] for line in lines] == ["train", "export", "check", "faults"]

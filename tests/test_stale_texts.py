@@ -1,6 +1,7 @@
 """Texts that said something untrue of the run they describe: a summary verifying pins when none were pinned, a
 study counting a diverged job as recovered, advice to switch to the optimizer the jobs already used, the README
-refusing a fault kind the command has."""
+refusing a fault kind the command has, and texts the deploy, remap and study-cost work replaced coming back with
+the pages the README's sections moved into."""
 
 from __future__ import annotations
 
@@ -90,3 +91,25 @@ def test_the_train_summary_says_at_chance_or_diverged(capsys):
     assert "  outcome   DIVERGED: a loss, metric or free weight that is not finite" in capsys.readouterr().out
     print_summary(summary())
     assert "outcome" not in capsys.readouterr().out
+
+
+def test_the_pages_carry_what_replaced_the_old_readme_texts():
+    """What the deploy, remap and study-cost branches changed in the README before its sections moved into the docs
+    site: the old texts stay out, their replacements are on the pages."""
+    stale = ["was not checked (it is not", "Each job saves its faults as", "0.091: diverged 3/3", "mean ± 95% CI;",
+             "2 seeds, mean ± 95%"]
+    for path, text in DOCS.items():
+        flat = " ".join(text.split())
+        for old in stale:
+            assert old not in flat, (path, old)
+    page = {path.relative_to(ROOT).as_posix(): " ".join(text.split()) for path, text in DOCS.items()}
+    assert "--keep-checkpoints" in page["docs/how-to/fault-study.md"] and "recovered_step, recovered," in page[
+        "docs/how-to/fault-study.md"]
+    assert "](../flip_curve.png)" in page["docs/how-to/fault-study.md"]
+    assert "](../study_cost.png)" in page["docs/explanation/performance.md"]
+    assert "pinned_checkpoint=weights" in page["docs/how-to/hydra-app.md"]
+    assert "--int8" in page["docs/how-to/export-check.md"]
+    assert "--deploy torchao-int8" in page["docs/how-to/deploy-int8.md"]
+    assert "python benchmarks/remap.py" in page["docs/how-to/fault-aware-mapping.md"]
+    assert "](docs/how-to/deploy-int8.md)" in page["README.md"] and "](docs/how-to/fault-aware-mapping.md)" in page[
+        "README.md"]
