@@ -61,7 +61,7 @@ def composition_error(tmp_path: Path, *overrides: str) -> str:
 
 def test_every_group_has_its_options():
     assert options("model") == ["cnn", "custom", "mlp", "torchvision", "transformer"]
-    assert options("data") == ["cifar10", "custom", "digits", "synthetic"]
+    assert options("data") == ["cifar10", "custom", "digits", "fake_images", "fake_text", "synthetic"]
     assert {"sgd", "adam", "adamw"} <= set(options("optimizer"))
     assert options("pin") == [
         "bit_faults", "cell_faults", "elements", "fault_map", "faults", "fraction", "freeze_layers", "neuron_faults",
@@ -109,8 +109,10 @@ def test_defaults_tell_the_stuck_at_fault_story(tmp_path):
     assert set(plan.pins[0].selections) == {"backbone.features.0.weight", "backbone.features.2.weight"}
 
 
-# Your own data (custom) and torchvision's CIFAR-10 are built in tests/test_custom_model.py.
-@pytest.mark.parametrize("option", [o for o in options("data") if o not in ("custom", "cifar10")])
+# Your own data (custom) and torchvision's CIFAR-10 are built in tests/test_custom_model.py, the fake data
+# sets (shaped for real networks) in tests/test_fake_data.py.
+@pytest.mark.parametrize("option", [o for o in options("data") if o not in ("custom", "cifar10", "fake_images",
+                                                                             "fake_text")])
 def test_data_options_build_data(tmp_path, option):
     data = instantiate(compose_train(tmp_path, f"data={option}").data, _convert_="all")
     data.setup()
@@ -325,7 +327,7 @@ def test_every_schema_field_is_an_argument_of_its_target():
         checked.append(schema.__name__)
     assert {"TrainerConfig", "PinCallbackConfig", "PinMonitorConfig", "SmallCNNConfig", "AdamWConfig"} <= set(checked)
     # 3 data, 3 backbones, 5 classifiers (the torchvision recipe's included), 5 optimizers, trainer, callback, monitor
-    assert len(checked) == 19
+    assert len(checked) == 21
 
 
 def test_schema_types_are_checked_on_merge():

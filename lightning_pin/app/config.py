@@ -65,6 +65,39 @@ class SyntheticDataConfig:
 
 
 @dataclass
+class FakeImagesDataConfig:
+    """:class:`~lightning_pin.app.data.FakeImagesDataModule`: random images with a learnable class pattern."""
+
+    _target_: str = "lightning_pin.app.data.FakeImagesDataModule"
+    shape: List[int] = field(default_factory=lambda: [3, 32, 32])
+    num_classes: int = 10
+    num_samples: int = 1024
+    signal: float = 1.0
+    batch_size: int = 64
+    val_batch_size: int = 256
+    val_fraction: float = 0.25
+    seed: int = 0
+    num_workers: int = 0
+
+
+@dataclass
+class FakeTextDataConfig:
+    """:class:`~lightning_pin.app.data.FakeTextDataModule`: random token ids with class marker tokens (dict batches)."""
+
+    _target_: str = "lightning_pin.app.data.FakeTextDataModule"
+    vocab_size: int = 100
+    seq_len: int = 16
+    num_classes: int = 2
+    num_samples: int = 1024
+    signal: float = 0.25
+    batch_size: int = 32
+    val_batch_size: int = 256
+    val_fraction: float = 0.25
+    seed: int = 0
+    num_workers: int = 0
+
+
+@dataclass
 class CIFAR10DataConfig:
     """:class:`~lightning_pin.app.data.CIFAR10DataModule`: torchvision's CIFAR-10 (``download`` into ``data_dir``)."""
 
@@ -510,7 +543,13 @@ class TrainConfig:
 
 
 _SCHEMAS: dict[str, dict[str, type]] = {
-    "schema/data": {"digits": DigitsDataConfig, "synthetic": SyntheticDataConfig, "cifar10": CIFAR10DataConfig},
+    "schema/data": {
+        "digits": DigitsDataConfig,
+        "synthetic": SyntheticDataConfig,
+        "cifar10": CIFAR10DataConfig,
+        "fake_images": FakeImagesDataConfig,
+        "fake_text": FakeTextDataConfig,
+    },
     "schema/model": {
         "classifier": ClassifierConfig,
         "cnn": CNNClassifierConfig,

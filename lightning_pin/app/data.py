@@ -1,7 +1,8 @@
-"""Small classification data sets as LightningDataModules, images of shape ``1 x 8 x 8``.
+"""Classification data sets as LightningDataModules: the digits, Gaussian blobs, random images and tokens
+with a learnable signal (no download), and CIFAR-10.
 
-Both split their samples into train and validation sets with a seeded permutation, so every run,
-rank and resume sees the same split.
+The in-memory ones split their samples into train and validation sets with a seeded permutation, so every
+run, rank and resume sees the same split.
 """
 
 from __future__ import annotations
@@ -10,8 +11,16 @@ from typing import Optional
 
 import lightning as L
 import torch
-from torch import Tensor
-from torch.utils.data import DataLoader, TensorDataset
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+__all__ = [
+    "CIFAR10DataModule",
+    "DigitsDataModule",
+    "FakeImagesDataModule",
+    "FakeTextDataModule",
+    "SyntheticDataModule",
+]
 
 
 class _SplitDataModule(L.LightningDataModule):
@@ -29,11 +38,15 @@ class _SplitDataModule(L.LightningDataModule):
         self.val_fraction = val_fraction
         self.seed = seed
         self.num_workers = num_workers
-        self.train_set: Optional[TensorDataset] = None
-        self.val_set: Optional[TensorDataset] = None
+        self.train_set: Optional[Dataset] = None
+        self.val_set: Optional[Dataset] = None
 
     def _load(self) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
+
+    def _dataset(self, x: Tensor, y: Tensor) -> Dataset:
+        """The samples ``x[i], y[i]`` as a data set (a subclass may yield them in another structure)."""
+        return TensorDataset(x, y)
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is not None:
@@ -42,8 +55,8 @@ class _SplitDataModule(L.LightningDataModule):
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(self.seed))
         n_val = round(self.val_fraction * len(y))
         val, train = order[:n_val], order[n_val:]
-        self.train_set = TensorDataset(x[train], y[train])
-        self.val_set = TensorDataset(x[val], y[val])
+        self.train_set = self._dataset(x[train], y[train])
+        self.val_set = self._dataset(x[val], y[val])
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
@@ -147,6 +160,151 @@ class SyntheticDataModule(_SplitDataModule):
         y = torch.arange(self.num_samples) % self.num_classes
         x = centres[y] + self.noise * torch.randn(self.num_samples, *self.input_shape, generator=generator)
         return x, y
+
+
+class FakeImagesDataModule(_SplitDataModule):
+    """Random images of any ``shape`` with a learnable signal, as ``(image, label)`` batches: no download.
+
+    Each class has a fixed random pattern, coarse (a 4 x 4 grid per channel, stretched over the image) so
+    that convolutions with global pooling (a ResNet) see it as well as a linear layer does; a sample is
+    its class's pattern times ``signal`` plus standard normal noise. Accuracy rises well above chance in a
+    few steps: a smoke test of a real network (a ResNet, a ViT) without its data set.
+
+    Args:
+        shape: Shape of one image, ``[channels, height, width]``.
+        num_classes: Classes, balanced.
+        num_samples: Samples in total (split into train and validation).
+        signal: Strength of the class pattern against the unit noise (larger is easier).
+        batch_size, val_batch_size, val_fraction, seed, num_workers: As in :class:`DigitsDataModule`.
+
+    Raises:
+        ValueError: ``val_fraction`` is not in (0, 1), or ``shape`` is not ``[channels, height, width]``.
+
+    Example::
+
+        >>> data = FakeImagesDataModule(shape=[3, 16, 16], num_classes=4, num_samples=64, batch_size=8)
+        >>> data.setup()
+        >>> x, y = next(iter(data.train_dataloader()))
+        >>> tuple(x.shape), x.dtype, tuple(y.shape), y.dtype, data.num_classes, data.input_shape
+        ((8, 3, 16, 16), torch.float32, (8,), torch.int64, 4, (3, 16, 16))
+    """
+
+    def __init__(
+        self,
+        shape: tuple[int, ...] = (3, 32, 32),
+        num_classes: int = 10,
+        num_samples: int = 1024,
+        signal: float = 1.0,
+        batch_size: int = 64,
+        val_batch_size: int = 256,
+        val_fraction: float = 0.25,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(batch_size, val_batch_size, val_fraction, seed, num_workers)
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != 3 or min(shape) < 1:
+            raise ValueError(f"data.shape must be [channels, height, width] of positive sizes, got {list(shape)}")
+        self.shape = self.input_shape = shape
+        self.num_classes = num_classes
+        self.num_samples = num_samples
+        self.signal = signal
+
+    def _load(self) -> tuple[Tensor, Tensor]:
+        generator = torch.Generator().manual_seed(self.seed)
+        channels, height, width = self.shape
+        coarse = torch.randn(self.num_classes, channels, min(4, height), min(4, width), generator=generator)
+        patterns = nn.functional.interpolate(coarse, size=(height, width), mode="nearest")
+        y = torch.arange(self.num_samples) % self.num_classes
+        x = self.signal * patterns[y] + torch.randn(self.num_samples, *self.shape, generator=generator)
+        return x, y
+
+
+class _TokenDataset(Dataset):
+    """Token ids as the mapping a tokenizer gives: ``input_ids``, ``attention_mask`` and ``labels``."""
+
+    def __init__(self, ids: Tensor, labels: Tensor) -> None:
+        self.ids = ids
+        self.labels = labels
+        self.mask = torch.ones_like(ids)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return {"input_ids": self.ids[index], "attention_mask": self.mask[index], "labels": self.labels[index]}
+
+
+class FakeTextDataModule(_SplitDataModule):
+    """Random token ids with a learnable signal, as the dict batches of a tokenizer: no download.
+
+    Batches are mappings ``{"input_ids": (batch, seq_len) int64, "attention_mask": ones, "labels":
+    (batch,)}``, what a Hugging Face model takes as keyword arguments. Each class owns a few marker tokens
+    (``vocab_size // (2 * num_classes)`` of them, at least one); a sequence is uniform random tokens with
+    a ``signal`` share of its positions replaced by markers of its class, so a bag of words finds the
+    class and accuracy rises well above chance in a few steps.
+
+    Args:
+        vocab_size: Token ids are in ``[0, vocab_size)``.
+        seq_len: Tokens per sequence.
+        num_classes: Classes, balanced.
+        num_samples: Sequences in total (split into train and validation).
+        signal: Share of the positions holding a marker of the class, in (0, 1].
+        batch_size, val_batch_size, val_fraction, seed, num_workers: As in :class:`DigitsDataModule`.
+
+    Raises:
+        ValueError: ``val_fraction`` is not in (0, 1), ``signal`` not in (0, 1], or the vocabulary is
+            smaller than twice the classes.
+
+    Example::
+
+        >>> data = FakeTextDataModule(vocab_size=100, seq_len=12, num_classes=2, num_samples=64, batch_size=8)
+        >>> data.setup()
+        >>> batch = next(iter(data.train_dataloader()))
+        >>> sorted(batch), tuple(batch["input_ids"].shape), batch["input_ids"].dtype, tuple(batch["labels"].shape)
+        (['attention_mask', 'input_ids', 'labels'], (8, 12), torch.int64, (8,))
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 100,
+        seq_len: int = 16,
+        num_classes: int = 2,
+        num_samples: int = 1024,
+        signal: float = 0.25,
+        batch_size: int = 32,
+        val_batch_size: int = 256,
+        val_fraction: float = 0.25,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(batch_size, val_batch_size, val_fraction, seed, num_workers)
+        if not 0 < signal <= 1:
+            raise ValueError(f"data.signal must be in (0, 1] (the share of marker tokens), got {signal!r}")
+        if vocab_size < 2 * num_classes:
+            raise ValueError(f"data.vocab_size={vocab_size} is too small for {num_classes} classes: "
+                             f"at least {2 * num_classes}")
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.num_classes = num_classes
+        self.num_samples = num_samples
+        self.signal = signal
+        self.input_shape = (seq_len,)
+
+    def _load(self) -> tuple[Tensor, Tensor]:
+        generator = torch.Generator().manual_seed(self.seed)
+        per_class = max(1, self.vocab_size // (2 * self.num_classes))
+        markers = torch.randperm(self.vocab_size, generator=generator)[: per_class * self.num_classes]
+        markers = markers.view(self.num_classes, per_class)
+        y = torch.arange(self.num_samples) % self.num_classes
+        ids = torch.randint(self.vocab_size, (self.num_samples, self.seq_len), generator=generator)
+        marked = torch.rand(self.num_samples, self.seq_len, generator=generator) < self.signal
+        choice = torch.randint(per_class, (self.num_samples, self.seq_len), generator=generator)
+        ids = torch.where(marked, markers[y.unsqueeze(1), choice], ids)
+        return ids, y
+
+    def _dataset(self, x: Tensor, y: Tensor) -> Dataset:
+        return _TokenDataset(x, y)
 
 
 class CIFAR10DataModule(L.LightningDataModule):
