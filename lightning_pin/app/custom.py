@@ -353,6 +353,8 @@ def build_model(
         if not isinstance(model, pl.LightningModule):
             raise ConfigError(f"model._target_={target} takes an optimizer but built a {type(model).__name__}, "
                               "not a LightningModule")
+        if target == HF:  # name the transformers class that does the work (BertForSequenceClassification)
+            shown = f"transformers.{type(model.backbone).__name__}"
         return BuiltModel(model, "optimizer_argument", shown, optimizer_name)
     check_keys(built, node, "model", target)
     model = _build(lambda: instantiate(node, _convert_="all"), target)

@@ -122,10 +122,12 @@ def _by_name(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         return args, kwargs
     if any(p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY) for p in signature.parameters.values()):
         return args, kwargs
-    named = {k: v for k, v in bound.arguments.items() if signature.parameters[k].kind is not inspect.Parameter.VAR_KEYWORD}
-    for k, v in bound.arguments.items():
-        if signature.parameters[k].kind is inspect.Parameter.VAR_KEYWORD:
-            named.update(v)
+    named: dict[str, Any] = {}
+    for key, value in bound.arguments.items():
+        if signature.parameters[key].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[key] = value
     return (), named
 
 

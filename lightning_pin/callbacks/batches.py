@@ -207,6 +207,7 @@ def run_validation(module: Any, batches: Iterable[Any], prepare: Optional[Callab
         >>> import torch
         >>> from lightning_pin.app.models import Classifier
         >>> model = Classifier(torch.nn.Linear(4, 3))
+        >>> _ = torch.nn.init.zeros_(model.backbone.bias)  # zero inputs: equal logits, argmax 0
         >>> capture = run_validation(model, [(torch.zeros(2, 4), torch.tensor([0, 0]))])
         >>> sorted(capture.names()), capture.value("val_acc")
         (['val_acc', 'val_loss'], 1.0)
