@@ -292,3 +292,17 @@ def test_every_extra_the_readme_and_the_errors_name_exists():
     # From a clone, as the README writes them: the editable install of the checkout with its extras.
     readme = (ROOT / "README.md").read_text()
     assert "pip install -e '.[vision]'" in readme and not re.search(r"pip install 'lightning-pin\[", readme)
+
+
+def test_the_apps_classifier_feeds_a_plain_backbone_mappings_by_its_own_signature():
+    """A plain module wrapped by the app: (x, y) tuples and mappings with input and target keys, in training,
+    validation and the monitor's predictions alike."""
+    from lightning_pin.app.models import Classifier
+
+    model = Classifier(torch.nn.Linear(4, 3))
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    expected = model(x)
+    for batch in ((x, y), {"image": x, "label": y}, {"x": x, "y": y}):
+        preds, target = default_predict(model, batch)
+        assert torch.equal(preds, expected) and torch.equal(target, y)
+        assert torch.equal(model.validation_step(batch, 0)["preds"], expected)

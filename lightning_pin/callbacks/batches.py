@@ -78,10 +78,12 @@ def call_arguments(module: nn.Module, inputs: Any) -> tuple[tuple[Any, ...], dic
     """
     if not isinstance(inputs, Mapping):
         return (inputs,), {}
-    try:
-        parameters = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):
-        parameters = []
+    parameters = _parameters(module)
+    # A wrapper whose forward passes everything on (the app's Classifier) takes what its backbone takes.
+    while {p.kind for p in parameters} == {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} and \
+            isinstance(getattr(module, "backbone", None), nn.Module):
+        module = module.backbone
+        parameters = _parameters(module)
     named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
         return (), dict(inputs)
@@ -89,6 +91,13 @@ def call_arguments(module: nn.Module, inputs: Any) -> tuple[tuple[Any, ...], dic
         return (), {k: v for k, v in inputs.items() if k in named}
     first = next(k for k in INPUT_KEYS if k in inputs)
     return (inputs[first],), {}
+
+
+def _parameters(module: nn.Module) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
 
 
 def logits_of(output: Any) -> Tensor:
