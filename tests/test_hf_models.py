@@ -105,6 +105,45 @@ def test_faults_kind_value_retrains_a_transformer(hf_run, monkeypatch):
     assert all(r["pins_exact"] == "true" for r in found) and int(found[1]["pinned_elements"]) > 0
 
 
+def test_faults_kind_neuron_sticks_a_transformers_features_and_retrains(hf_run, monkeypatch):
+    name, project, run = hf_run
+    monkeypatch.chdir(project)
+    out = project / "neuron"
+    assert cli.main(["faults", "--kind", "neuron", "--rates", "0.25", "--seeds", "1", "--out", str(out), "model=hf",
+                     f"model.config={TINY_CONFIGS[name]}", *DATA, *SHORT, f"ckpt_path={run / 'pretrained.ckpt'}"]) == 0
+    (row,) = rows(out)
+    assert row["kind"] == "neuron" and float(row["forced"]) >= 0 and float(row["final"]) >= 0
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_neuron_faults_read_a_tokenizer_dict_and_stick_features_at_every_position(name):
+    """sa1 sticks at each layer's largest output on the batch: the batch dict goes to the forward by name."""
+    transformers = pytest.importorskip("transformers")
+    from omegaconf import OmegaConf
+
+    from lightning_pin import pin
+    from lightning_pin.faults import neuron_faults
+
+    options = OmegaConf.to_container(OmegaConf.create(TINY_CONFIGS[name]))
+    config = transformers.AutoConfig.for_model(**options, vocab_size=100, num_labels=3, pad_token_id=0)
+    model = transformers.AutoModelForSequenceClassification.from_config(config).eval()
+    batch = {"input_ids": torch.randint(1, 100, (2, 12)), "attention_mask": torch.ones(2, 12, dtype=torch.long),
+             "labels": torch.tensor([0, 1])}
+    layer = {"bert": "bert.encoder.layer.0.attention.self.query", "gpt2": "transformer.h.0.mlp.c_fc"}[name]  # Conv1D
+    pins = neuron_faults(model, layer, 0.25, kind="sa1", batch=batch, seed=0)
+    (stuck,) = pins
+    seen = {}
+    hook = dict(model.named_modules())[layer].register_forward_hook(lambda m, a, out: seen.update(out=out))
+    with pin(model, torch.optim.SGD(model.parameters(), lr=0.1), list(pins)):
+        for length in (5, 12):
+            model(input_ids=batch["input_ids"][:, :length], attention_mask=batch["attention_mask"][:, :length])
+            channels = torch.as_tensor(stuck.channels)
+            held = seen["out"][..., channels]
+            assert held.shape[1] == length
+            assert torch.equal(held, held[:1, :1].expand_as(held))  # the same value at every sample and position
+    hook.remove()
+
+
 def test_no_retrain_measures_val_loss_through_the_models_own_validation_step(hf_run, monkeypatch):
     """metric=val_loss --no-retrain: the baseline is the loss the model's validation_step logs (once refused)."""
     import lightning.pytorch as pl

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -197,8 +197,15 @@ def _outputs(
 
         hooks.append(submodules[name].register_forward_hook(record))
     try:
-        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
-        module(inputs)
+        if isinstance(batch, Mapping):
+            # A tokenizer's dict: fed as every tool feeds it (its input keys to the forward by name). Imported here:
+            # lightning_pin.callbacks loads Lightning, and this module is torch only.
+            from lightning_pin.callbacks.batches import TARGET_KEYS, call_arguments
+
+            args, kwargs = call_arguments(module, {k: v for k, v in batch.items() if k not in TARGET_KEYS})
+            module(*args, **kwargs)
+        else:
+            module(batch[0] if isinstance(batch, (tuple, list)) else batch)
     finally:
         for hook in hooks:
             hook.remove()
