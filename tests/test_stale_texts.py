@@ -113,3 +113,19 @@ def test_the_pages_carry_what_replaced_the_old_readme_texts():
     assert "python benchmarks/remap.py" in page["docs/how-to/fault-aware-mapping.md"]
     assert "](docs/how-to/deploy-int8.md)" in page["README.md"] and "](docs/how-to/fault-aware-mapping.md)" in page[
         "README.md"]
+
+
+def test_the_pages_carry_the_engine_branchs_readme_changes():
+    """What the engine branch (the step plan, PinMonitor's memory) changed in the README before its sections moved
+    into the docs site: weight drift is opt-in, the step-call counts, no projections.py in the layout."""
+    page = {path.relative_to(ROOT).as_posix(): " ".join(text.split()) for path, text in DOCS.items()}
+    for path, text in page.items():
+        assert "projections.py" not in text, path
+    monitor = page["docs/how-to/monitor.md"]
+    assert "| with `PinMonitor(weight_drift=True)`: L2 distance of the free weights" in monitor
+    assert "The default monitor keeps no copy of the weights" in monitor and "`benchmarks/monitor_memory.py`" in monitor
+    performance = page["docs/explanation/performance.md"]
+    assert "`benchmarks/step_calls.py` counts the Python calls" in performance
+    assert "| quantized codes | 307 | 34 |" in performance and "at most 20 + 2 per tensor = 52" in performance
+    assert "`verify=\"step\"` reads one count per step from the device" in performance
+    assert "a step plan per optimizer" in page["docs/explanation/architecture.md"]
