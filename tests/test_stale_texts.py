@@ -129,3 +129,17 @@ def test_the_pages_carry_the_engine_branchs_readme_changes():
     assert "| quantized codes | 307 | 34 |" in performance and "at most 20 + 2 per tensor = 52" in performance
     assert "`verify=\"step\"` reads one count per step from the device" in performance
     assert "a step plan per optimizer" in page["docs/explanation/architecture.md"]
+
+
+def test_the_pages_carry_the_trust_branchs_readme_changes():
+    """What the trust branch changed in the README before its sections moved into the docs site: a code pin without a
+    stuck bit is refused, and `diverged` / at chance as the study and `lightning-pin train` decide them."""
+    page = {path.relative_to(ROOT).as_posix(): " ".join(text.split()) for path, text in DOCS.items()}
+    for path, text in page.items():
+        assert "when its loss is not finite or retraining ends at chance" not in text, path
+    assert "`code=` without a stuck bit (it would only move the elements onto the grid: `quantize()` trains on it)" in (
+        page["docs/tutorials/int8-stuck-bits.md"])
+    study = page["docs/how-to/fault-study.md"]
+    assert "when its loss, final accuracy or free weights are not finite" in study
+    assert "within 2 points of chance or below the forced accuracy" in study
+    assert "`outcome AT CHANCE` or `DIVERGED`" in study and "`pin_report.png` draws the chance line" in study
