@@ -1,7 +1,8 @@
 """Texts that said something untrue of the run they describe: a summary verifying pins when none were pinned, a
 study counting a diverged job as recovered, advice to switch to the optimizer the jobs already used, the README
-refusing a fault kind the command has, and texts the deploy, remap and study-cost work replaced coming back with
-the pages the README's sections moved into."""
+refusing a fault kind the command has, and texts the deploy, remap, study-cost, engine, trust and stuck-neuron work
+replaced in the old README coming back with the pages its sections moved into (their replacements are checked on
+the pages)."""
 
 from __future__ import annotations
 
@@ -143,3 +144,38 @@ def test_the_pages_carry_the_trust_branchs_readme_changes():
     assert "when its loss, final accuracy or free weights are not finite" in study
     assert "within 2 points of chance or below the forced accuracy" in study
     assert "`outcome AT CHANCE` or `DIVERGED`" in study and "`pin_report.png` draws the chance line" in study
+
+
+def test_the_pages_carry_the_neuron_branchs_readme_changes():
+    """What the stuck-neuron branch changed in the README before its sections moved into the docs site: the feature
+    axis by module type, the new refusals, averaged copies, pin=neuron_faults's defaults on any model."""
+    page = {path.relative_to(ROOT).as_posix(): " ".join(text.split()) for path, text in DOCS.items()}
+    for path, text in page.items():
+        assert "counted with the batch dimension as axis 0: a convolution's channels" not in text, path
+        assert "seed=0, axis=1, value=0.0" not in text, path  # NeuronPin's axis defaults to None
+    neurons = page["docs/how-to/stuck-neurons.md"]
+    assert "`axis=None` (the default) is the module's feature axis, decided at its first forward" in neurons
+    assert "A 3-D output of another module is refused: give `axis=1` or `axis=-1`" in neurons
+    assert "(version 1) keep axis 1" in neurons
+    assert "`layer1.0.conv1 output channels [3, 7] (axis 1) stuck at 0.0`" in neurons
+    assert "An averaged copy (`handle.hold(ema)`, Lightning's weight averaging)" in neurons
+    assert "every exponent bit (inf / NaN whatever the layer computes)" in neurons
+    assert "matches a module and one of its descendants" in neurons
+    assert 'per="channel", batch=None, seed=0, axis=None)`' in neurons
+    assert "in every conv and linear layer, unless `pin.modules` names them" in neurons
+    assert "or of every conv and linear layer of another model" in page["docs/how-to/hydra-app.md"]
+
+
+def test_the_stuck_neuron_summary_line_on_the_page_is_what_the_summary_prints():
+    import torch
+
+    from lightning_pin import NeuronPin, pin
+
+    model = torch.nn.Sequential()
+    model.add_module("layer1", torch.nn.Sequential(torch.nn.Sequential()))
+    model.layer1[0].add_module("conv1", torch.nn.Conv2d(1, 8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pin(model, optimizer, [NeuronPin("layer1.0.conv1", channels=[3, 7])]) as handle:
+        model(torch.randn(2, 1, 8, 8))
+        (line,) = handle.outputs["neuron"].summary().splitlines()
+    assert f"(`{line}`)" in DOCS[ROOT / "docs" / "how-to" / "stuck-neurons.md"]
