@@ -30,10 +30,11 @@ SHORT = [
 # Optuna is a sweeper (tests/test_train_app.py runs both through the real command).
 # experiment=continual trains tasks in sequence and has a summary of its own (tests/test_tasks_app.py).
 # Your own model and data (custom) and the torchvision recipes run in tests/test_custom_model.py; the fake
-# data sets are shaped for real networks, not the digits CNN (tests/test_fake_data.py runs them).
+# data sets are shaped for real networks, not the digits CNN (tests/test_fake_data.py runs them), and model=hf
+# needs a name or a config (tests/test_hf_models.py).
 ELSEWHERE = {("trainer", "gpu"), ("trainer", "ddp_sim"), ("hparams_search", "optuna"), ("experiment", "continual"),
              ("model", "custom"), ("data", "custom"), ("model", "torchvision"), ("data", "cifar10"),
-             ("data", "fake_images"), ("data", "fake_text")}
+             ("data", "fake_images"), ("data", "fake_text"), ("model", "hf")}
 # Building blocks, not options: the base the trainer options extend, and the callbacks that the
 # callbacks options combine (one more is added as the table says: 'callbacks=[default,early_stopping]').
 BLOCKS = {

@@ -60,7 +60,7 @@ def composition_error(tmp_path: Path, *overrides: str) -> str:
 
 
 def test_every_group_has_its_options():
-    assert options("model") == ["cnn", "custom", "mlp", "torchvision", "transformer"]
+    assert options("model") == ["cnn", "custom", "hf", "mlp", "torchvision", "transformer"]
     assert options("data") == ["cifar10", "custom", "digits", "fake_images", "fake_text", "synthetic"]
     assert {"sgd", "adam", "adamw"} <= set(options("optimizer"))
     assert options("pin") == [
@@ -120,8 +120,9 @@ def test_data_options_build_data(tmp_path, option):
     assert tuple(x.shape[1:]) == (1, 8, 8) and int(y.max()) < data.num_classes == 10
 
 
-# Your own model (custom) and the torchvision recipe are built in tests/test_custom_model.py.
-@pytest.mark.parametrize("option", [o for o in options("model") if o not in ("custom", "torchvision")])
+# Your own model (custom) and the torchvision recipe are built in tests/test_custom_model.py, model=hf (a config
+# of its own) in tests/test_hf_models.py.
+@pytest.mark.parametrize("option", [o for o in options("model") if o not in ("custom", "torchvision", "hf")])
 def test_model_options_build_classifiers(tmp_path, option):
     model = build_model(compose_train(tmp_path, f"model={option}"))
     assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
@@ -327,7 +328,7 @@ def test_every_schema_field_is_an_argument_of_its_target():
         checked.append(schema.__name__)
     assert {"TrainerConfig", "PinCallbackConfig", "PinMonitorConfig", "SmallCNNConfig", "AdamWConfig"} <= set(checked)
     # 3 data, 3 backbones, 5 classifiers (the torchvision recipe's included), 5 optimizers, trainer, callback, monitor
-    assert len(checked) == 21
+    assert len(checked) == 22
 
 
 def test_schema_types_are_checked_on_merge():

@@ -57,3 +57,25 @@ def test_the_package_install_falls_back_to_the_default_index_when_the_cpu_one_is
     assert calls[1] == "install torch" and calls[2] == "install .[app]"
     # The same short timeout and no retries as `make install`'s probe.
     assert "--timeout 5 --retries 0" in (ROOT / "Makefile").read_text()
+
+
+def test_the_real_networks_on_fake_data_run_as_written(tmp_path, fork_runner):
+    """The own-model section's transformers ResNet on data=fake_images and BERT on data=fake_text, end to end."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("onnx")
+    (block,) = [b for b in bash_blocks() if "model=hf" in b]
+    lines = [line for line in block.splitlines() if line.strip()]
+    assert len(lines) == 4 and "model_type: resnet" in lines[0] and "model_type: bert" in lines[2]
+    for line in lines:
+        for part in line.split("&&"):
+            args = shlex.split(part)
+            assert args[0] == "lightning-pin"
+            command = ["train", *args[2:]] if args[1] == "train" else args[1:]
+            result = run([sys.executable, "-m", "lightning_pin.cli", *command], cwd=tmp_path, runner=fork_runner)
+            assert result.returncode == 0, (part, result.output[-3000:])
+    resnet = json.loads((tmp_path / "resnet" / "run_summary.json").read_text())
+    assert resnet["pins_exact"] is True and resnet["baseline"] > 0.2  # 10 classes: chance is 0.1
+    with open(tmp_path / "resnet_faults" / "fault_curve.csv") as file:
+        rows = file.read().splitlines()
+    assert len(rows) == 5  # a header and two seeds at two rates
+    assert "OK: every pin holds" in result.output  # check, the last command

@@ -196,6 +196,24 @@ class TorchvisionClassifierConfig:
     scheduler_interval: str = "epoch"
 
 
+@dataclass
+class HFClassifierConfig:
+    """:func:`~lightning_pin.app.models.hf_classifier`: a Hugging Face model, by name or built from a config."""
+
+    _target_: str = "lightning_pin.app.models.hf_classifier"
+    #: A hub name in the local cache or a directory written by save_pretrained (from_pretrained).
+    name: Optional[str] = None
+    #: AutoConfig.for_model(**config) + from_config: random weights, no download ({model_type: bert, ...}).
+    config: Any = None
+    num_labels: int = 2
+    #: text (sequence classification) or image (image classification); null: chosen by the data.
+    task: Optional[str] = None
+    vocab_size: Optional[int] = None
+    image_shape: Optional[List[int]] = None
+    scheduler: Any = None
+    scheduler_interval: str = "epoch"
+
+
 # ----------------------------------------------------------------------------------------------
 # optimizer/: partials, called by the model with its parameters
 
@@ -578,6 +596,7 @@ _SCHEMAS: dict[str, dict[str, type]] = {
         "mlp": MLPClassifierConfig,
         "transformer": TransformerClassifierConfig,
         "torchvision": TorchvisionClassifierConfig,
+        "hf": HFClassifierConfig,
     },
     "schema/optimizer": {
         "sgd": SGDConfig,

@@ -16,8 +16,9 @@ directory (``paths.work_dir``) is importable, as it is for ``python -m``. A targ
 imported, that refuses a key or misses a required one is a :class:`ConfigError` with one line naming
 the target, the key and where it looked.
 
-Default pins: for a model the app did not build from its own backbones, the pin groups select every
-parameter named ``*.weight`` with two or more dimensions (every conv and linear weight): their
+Default pins: for a model the app did not build from its own backbones, the pin groups select the
+weights of every conv and linear layer (a transformer's attention and MLP projections; not its
+embeddings, norms or biases, see :func:`default_pin_names`): their
 ``params`` default is ``${default_pins:<the app models' pattern>}``, which resolves to
 :data:`WEIGHTS_2D` for any other model, and :func:`expand_params` turns that into the names.
 """
@@ -32,7 +33,7 @@ import os
 import sys
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 __all__ = [
     "APP_BACKBONES", "BuiltModel", "CLASSIFIER", "ConfigError", "OWN_OPTIMIZER", "TORCHVISION", "WEIGHTS_2D",
@@ -53,6 +54,11 @@ APP_BACKBONES = (
 )
 #: The torchvision recipe (``model=torchvision``): a Classifier around a torchvision model.
 TORCHVISION = "lightning_pin.app.models.torchvision_classifier"
+#: The Hugging Face recipe (``model=hf``): a Classifier around a transformers model.
+HF = "lightning_pin.app.models.hf_classifier"
+#: The app's data sets of images (``model=hf`` picks image classification on them).
+IMAGE_DATA = ("lightning_pin.app.data.DigitsDataModule", "lightning_pin.app.data.SyntheticDataModule",
+              "lightning_pin.app.data.FakeImagesDataModule", "lightning_pin.app.data.CIFAR10DataModule")
 #: ``pin.params`` of a model the app did not build: every ``*.weight`` with two or more dimensions.
 WEIGHTS_2D = "*.weight:ndim>=2"
 #: What the summary says for the optimizer of a model with its own ``configure_optimizers``.
@@ -88,10 +94,48 @@ def register_resolver() -> None:
     OmegaConf.register_new_resolver("default_pins", default_pins, replace=True)
 
 
-def default_pin_names(tensors: Any) -> list[str]:
-    """The names :data:`WEIGHTS_2D` stands for among ``(name, tensor)`` pairs: every ``*.weight`` with two or
-    more dimensions (every conv and linear weight)."""
+#: Layers whose weights are the default pins of a model of your own: the multiply-accumulate layers (a
+#: transformer's attention and MLP projections included; Hugging Face's GPT-2 ``Conv1D`` is a linear layer).
+PINNED_LAYERS = ("Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+                 "ConvTranspose3d", "Conv1D", "MultiheadAttention")
+
+
+def default_pin_names(tensors: Any, module: Any = None) -> list[str]:
+    """The names :data:`WEIGHTS_2D` stands for: the weights of every conv and linear layer.
+
+    With ``module``: the weights of its linear, bilinear and convolution layers (Hugging Face's ``Conv1D``
+    and the projections of ``nn.MultiheadAttention`` too), never embeddings, norms or biases; a module
+    without such layers falls back to the rule without one. Without ``module`` (a state dict only): every
+    ``*.weight`` with two or more dimensions.
+
+    Example::
+
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        >>> default_pin_names(net.named_parameters(), net), default_pin_names(net.named_parameters())
+        (['1.weight'], ['0.weight', '1.weight'])
+    """
+    tensors = list(tensors)
+    if module is not None:
+        chosen: set[str] = set()
+        for prefix, layer in module.named_modules():
+            if type(layer).__name__ not in PINNED_LAYERS and not any(
+                    isinstance(layer, base) for base in _pinned_bases()):
+                continue
+            for name, parameter in layer.named_parameters(recurse=False):
+                if parameter.ndim >= 2 and (name == "weight" or name.endswith("proj_weight")):
+                    chosen.add(f"{prefix}.{name}" if prefix else name)
+        names = [n for n, _ in tensors if n in chosen]
+        if names:
+            return names
     return [n for n, t in tensors if n.endswith(".weight") and getattr(t, "ndim", 0) >= 2]
+
+
+def _pinned_bases() -> tuple[type, ...]:
+    """Subclasses of these count as linear / convolution layers (``NonDynamicallyQuantizableLinear``)."""
+    import torch
+
+    return (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.MultiheadAttention)
 
 
 def expand_params(params: Any, module: Any) -> Any:
@@ -111,7 +155,7 @@ def expand_params(params: Any, module: Any) -> Any:
     if isinstance(params, str):
         if params != WEIGHTS_2D:
             return params
-        names = default_pin_names(module.named_parameters())
+        names = default_pin_names(module.named_parameters(), module)
         if not names:
             found = ", ".join(n for n, _ in list(module.named_parameters())[:8]) or "none"
             raise ConfigError(
@@ -305,6 +349,8 @@ def build_model(
         model = instantiate(node, _partial_=True, _convert_="all")(optimizer=optimizer)
         kind = "app" if is_app_model(node) else "module"
         return BuiltModel(model, kind, str(backbone_target or target), optimizer_name)
+    if target == HF:
+        node = hf_node(cfg)
     built = locate(target, "model", work_dir)
     shown = f"torchvision.models.{node.get('name')}" if target == TORCHVISION else target
     lightning = isinstance(built, type) and issubclass(built, pl.LightningModule)
@@ -315,6 +361,8 @@ def build_model(
         if not isinstance(model, pl.LightningModule):
             raise ConfigError(f"model._target_={target} takes an optimizer but built a {type(model).__name__}, "
                               "not a LightningModule")
+        if target == HF:  # name the transformers class that does the work (BertForSequenceClassification)
+            shown = f"transformers.{type(model.backbone).__name__}"
         return BuiltModel(model, "optimizer_argument", shown, optimizer_name)
     check_keys(built, node, "model", target)
     model = _build(lambda: instantiate(node, _convert_="all"), target)
@@ -331,6 +379,17 @@ def build_model(
         f"model._target_={target} built a {type(model).__name__}, neither a LightningModule nor an nn.Module "
         "(a network from inputs to logits)"
     )
+
+
+def hf_node(cfg: DictConfig) -> DictConfig:
+    """``cfg.model`` of ``model=hf`` with ``task`` chosen by the data when it is null: ``image`` for image data
+    (the app's image sets, or data with a ``shape``), else ``text`` (sequence classification)."""
+    node = cfg.model.copy()
+    if node.get("task") is None:
+        image = node.get("image_shape") is not None or str(cfg.data.get("_target_")) in IMAGE_DATA
+        with open_dict(node):
+            node.task = "image" if image else "text"
+    return node
 
 
 def _build(make: Any, target: str) -> Any:

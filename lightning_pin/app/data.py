@@ -7,6 +7,7 @@ run, rank and resume sees the same split.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import lightning as L
@@ -16,13 +17,12 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 __all__ = [
     "CIFAR10DataModule",
+    "DataUnavailableError",
     "DigitsDataModule",
     "FakeImagesDataModule",
     "FakeTextDataModule",
     "SyntheticDataModule",
 ]
-
-__all__ = ["CIFAR10DataModule", "DigitsDataModule", "SyntheticDataModule"]
 
 
 class _SplitDataModule(L.LightningDataModule):
@@ -309,6 +309,10 @@ class FakeTextDataModule(_SplitDataModule):
         return _TokenDataset(x, y)
 
 
+class DataUnavailableError(RuntimeError):
+    """A data set that must be downloaded and cannot be (offline), or is not where the config says."""
+
+
 class CIFAR10DataModule(L.LightningDataModule):
     """torchvision's CIFAR-10: 50,000 training and 10,000 test images of ``3 x 32 x 32``, 10 classes.
 
@@ -351,12 +355,40 @@ class CIFAR10DataModule(L.LightningDataModule):
     def _dataset_class(self):
         from hydra.utils import get_class
 
+        try:
+            if self.dataset.startswith("torchvision."):
+                import torchvision  # noqa: F401
+        except Exception as err:  # a torchvision built for another torch fails at import with a RuntimeError
+            raise ImportError(
+                f"data=cifar10 needs torchvision built for torch {torch.__version__} ({type(err).__name__}: "
+                f"{' '.join(str(err).split())}): pip install -e '.[vision]' from the index your torch came from, "
+                "or smoke-test with data=fake_images (no download)"
+            ) from None
         return get_class(self.dataset)
 
+    def _unavailable(self, err: BaseException) -> DataUnavailableError:
+        name = self.dataset.rpartition(".")[2]
+        how = "cannot be downloaded" if self.download else "is not there (data.download=false)"
+        return DataUnavailableError(
+            f"data: {name} is not in {os.path.abspath(self.data_dir)} and {how} ({type(err).__name__}: "
+            f"{' '.join(str(err).split())[:160]}): copy it there and set data.download=false, "
+            "or smoke-test with data=fake_images (random images, no download)"
+        )
+
     def prepare_data(self) -> None:
-        if self.download:
-            for train in (True, False):
-                self._dataset_class()(root=self.data_dir, train=train, download=True)
+        """Download the data when it is not in ``data_dir`` (``download=True``), or check that it is there.
+
+        Raises:
+            DataUnavailableError: the data is not in ``data_dir`` and cannot be downloaded (offline), in one
+                line naming the data set, the directory, ``data.download=false`` and ``data=fake_images``.
+            ImportError: torchvision is not installed or does not load beside this torch.
+        """
+        cls = self._dataset_class()
+        for train in (True, False):
+            try:
+                cls(root=self.data_dir, train=train, download=self.download)
+            except (OSError, RuntimeError) as err:  # URLError is an OSError; a missing copy a RuntimeError
+                raise self._unavailable(err) from None
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is not None:
@@ -365,8 +397,11 @@ class CIFAR10DataModule(L.LightningDataModule):
 
         transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(self.MEAN, self.STD)])
         cls = self._dataset_class()
-        self.train_set = cls(root=self.data_dir, train=True, transform=transform, download=False)
-        self.val_set = cls(root=self.data_dir, train=False, transform=transform, download=False)
+        try:
+            self.train_set = cls(root=self.data_dir, train=True, transform=transform, download=False)
+            self.val_set = cls(root=self.data_dir, train=False, transform=transform, download=False)
+        except (OSError, RuntimeError) as err:
+            raise self._unavailable(err) from None
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)

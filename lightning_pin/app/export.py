@@ -90,17 +90,21 @@ def _run_work_dir(run_dir: Path) -> Optional[str]:
     return str(cwd) if cwd else None
 
 
-def example_input(run_dir: Union[str, Path]) -> torch.Tensor:
-    """One input of the shape the run's model reads.
+def example_arguments(run_dir: Union[str, Path], model: torch.nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of one forward of the run's model, in the structure its forward takes.
 
-    The app's backbones: ``1 x in_channels x image_size x image_size``; any other model: the first
-    sample of the run's validation data (its DataModule rebuilt from the config).
+    The app's backbones: a zero image ``1 x in_channels x image_size x image_size``; any other model: the
+    first sample of the run's validation data (its DataModule rebuilt from the config), given to the forward
+    as the model's own ``validation_step`` gives it (a dict batch becomes keyword arguments, which the ONNX
+    export names as its inputs; see :func:`~lightning_pin.callbacks.batches.forward_arguments`).
     """
+    from lightning_pin.callbacks.batches import forward_arguments
+
     cfg = OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml")
     backbone = cfg.model.get("backbone")
     if backbone is not None and "image_size" in backbone:
         channels, size = backbone.get("in_channels", 1), backbone.get("image_size", 8)
-        return torch.zeros(1, channels, size, size)
+        return (torch.zeros(1, channels, size, size),), {}
     from lightning_pin.app.custom import build_datamodule
 
     work_dir = _run_work_dir(Path(run_dir))
@@ -108,8 +112,28 @@ def example_input(run_dir: Union[str, Path]) -> torch.Tensor:
     data = build_datamodule(cfg, work_dir=work_dir)
     data.setup("validate")
     batch = next(iter(data.val_dataloader()))
-    x = batch[0] if isinstance(batch, (list, tuple)) else batch
-    return torch.zeros_like(x[:1])
+    return forward_arguments(model, batch)
+
+
+def _by_name(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    """The forward's arguments by name where its signature allows: ``torch.onnx.export`` would take a dict
+    passed last and positionally (a batch dict) for keyword arguments."""
+    import inspect
+
+    try:
+        signature = inspect.signature(model.forward)
+        bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    if any(p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY) for p in signature.parameters.values()):
+        return args, kwargs
+    named: dict[str, Any] = {}
+    for key, value in bound.arguments.items():
+        if signature.parameters[key].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[key] = value
+    return (), named
 
 
 def check_destination(to: Path, force: bool = False) -> None:
@@ -195,5 +219,7 @@ def export_run(run_dir: Union[str, Path], to: Union[str, Path], force: bool = Fa
 
         save_file({name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}, str(to))
     else:
-        torch.onnx.export(model, (example_input(run_dir),), str(to), dynamo=True, optimize=False, verbose=False)
+        args, kwargs = _by_name(model, *example_arguments(run_dir, model))
+        model.eval()
+        torch.onnx.export(model, args, str(to), kwargs=kwargs, dynamo=True, optimize=False, verbose=False)
     return to

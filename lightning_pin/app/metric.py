@@ -25,6 +25,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_pin.app.custom import ConfigError
+from lightning_pin.callbacks.batches import run_validation
 from lightning_pin.callbacks.monitor import PinMonitor
 
 __all__ = ["LoggedMetric", "LoggedMetricMonitor", "MODES", "check_mode", "missing_metric"]
@@ -46,63 +47,6 @@ def missing_metric(metric: str, logged: Any, who: str) -> ConfigError:
         f"metric={metric}: {who} logs no such validation metric (it logged: {shown}): set metric= to one it logs "
         "(and metric_mode=max|min)"
     )
-
-
-class _Capture:
-    """What ``self.log`` received during one measured validation epoch, reduced as Lightning would."""
-
-    def __init__(self) -> None:
-        self.batch: Any = None
-        self.values: dict[str, list[tuple[torch.Tensor, float]]] = {}
-        self.reduce: dict[str, Any] = {}
-        self.metrics: dict[str, Metric] = {}
-
-    def log(self, name: str, value: Any, *args: Any, batch_size: Optional[int] = None, reduce_fx: Any = "mean",
-            **kwargs: Any) -> None:
-        if isinstance(value, Metric):
-            self.metrics[name] = value
-            return
-        if batch_size is None:
-            batch_size = self._batch_size()
-        tensor = torch.as_tensor(value).detach().float().reshape(-1).mean()
-        self.values.setdefault(name, []).append((tensor, float(batch_size)))
-        self.reduce[name] = reduce_fx
-
-    def log_dict(self, dictionary: Any, *args: Any, **kwargs: Any) -> None:
-        for name, value in dictionary.items():
-            self.log(name, value, *args, **kwargs)
-
-    def _batch_size(self) -> int:
-        if self.batch is None:
-            return 1
-        from lightning.pytorch.utilities.data import extract_batch_size
-
-        try:
-            return extract_batch_size(self.batch)
-        except Exception:
-            return 1
-
-    def names(self) -> list[str]:
-        return [*self.values, *self.metrics]
-
-    def value(self, name: str, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> Optional[float]:
-        if name in self.metrics:
-            result = self.metrics[name].compute()
-            self.metrics[name].reset()
-            return float(result)
-        if name not in self.values:
-            return None
-        values = torch.stack([v for v, _ in self.values[name]])
-        weights = torch.tensor([w for _, w in self.values[name]], device=values.device)
-        how = self.reduce.get(name, "mean")
-        how = getattr(how, "__name__", how)
-        if how == "sum":
-            return float(reduce(values.sum(), "sum"))
-        if how == "max":
-            return float(reduce(values.max(), "max"))
-        if how == "min":
-            return float(reduce(values.min(), "min"))
-        return float(reduce((values * weights).sum(), "sum") / reduce(weights.sum(), "sum"))
 
 
 class LoggedMetricMonitor(PinMonitor):
@@ -147,28 +91,20 @@ class LoggedMetricMonitor(PinMonitor):
 
     @override
     def _evaluate(self, trainer: pl.Trainer, module: pl.LightningModule, loader: Any, limit: float) -> float:
-        capture = _Capture()
-        modes = {m: m.training for m in module.modules()}
-        module.eval()
-        # self.log / self.log_dict go to the capture for this pass only (instance attributes shadow the methods).
-        module.log, module.log_dict = capture.log, capture.log_dict
-        try:
-            precision = trainer.precision_plugin
-            with torch.no_grad(), precision.val_step_context():
-                module.on_validation_epoch_start()
-                for batch_idx, batch in enumerate(loader):
-                    if batch_idx >= limit:
-                        break
-                    batch = precision.convert_input(batch)
-                    batch = trainer.strategy.batch_to_device(batch, dataloader_idx=self.dataloader_idx)
-                    capture.batch = batch
-                    module.validation_step(batch, batch_idx)
-                capture.batch = None
-                module.on_validation_epoch_end()
-        finally:
-            del module.log, module.log_dict
-            for m, training in modes.items():
-                m.training = training
+        precision = trainer.precision_plugin
+
+        def prepare(batch: Any) -> Any:
+            batch = precision.convert_input(batch)
+            return trainer.strategy.batch_to_device(batch, dataloader_idx=self.dataloader_idx)
+
+        def batches() -> Any:
+            for batch_idx, batch in enumerate(loader):
+                if batch_idx >= limit:
+                    return
+                yield batch
+
+        with precision.val_step_context():
+            capture = run_validation(module, batches(), prepare)
 
         def reduce(value: torch.Tensor, op: str) -> torch.Tensor:
             if trainer.world_size <= 1:

@@ -1,4 +1,5 @@
-"""A classifier LightningModule around any backbone, and small backbones for ``1 x 8 x 8`` images."""
+"""A classifier LightningModule around any backbone, small backbones for ``1 x 8 x 8`` images, and the
+torchvision and Hugging Face recipes."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_pin.callbacks.batches import call_arguments, logits_of, split_batch
+
 __all__ = [
     "Classifier", "MLP", "OptimizerFactory", "SchedulerFactory", "SmallCNN", "TinyTransformer",
-    "torchvision_classifier", "torchvision_model",
+    "hf_classifier", "hf_model", "torchvision_classifier", "torchvision_model",
 ]
 
 
@@ -63,18 +66,24 @@ class Classifier(L.LightningModule):
         self.scheduler_factory = scheduler
         self.scheduler_interval = scheduler_interval
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.backbone(x)
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        # A Hugging Face backbone returns an output object: its logits are the prediction.
+        return logits_of(self.backbone(*args, **kwargs))
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
-        self.log("train_loss", loss)
+    def _logits(self, batch: Any) -> tuple[Tensor, Tensor]:
+        """``(logits, target)``: an ``(x, y)`` batch, or a mapping whose input keys go to the backbone's forward."""
+        inputs, target = split_batch(batch, "the app's Classifier")
+        args, kwargs = call_arguments(self.backbone, inputs)
+        return self(*args, **kwargs), target
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        logits, y = self._logits(batch)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.log("train_loss", loss, batch_size=len(y))
         return loss
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        x, y = batch
-        logits = self(x)
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
+        logits, y = self._logits(batch)
         loss = nn.functional.cross_entropy(logits, y)
         self.log("val_loss", loss, batch_size=len(y), sync_dist=True)
         self.log("val_acc", (logits.argmax(-1) == y).float().mean(), batch_size=len(y), sync_dist=True)
@@ -238,4 +247,94 @@ def torchvision_classifier(
         ImportError, ValueError: as :func:`torchvision_model`.
     """
     backbone = torchvision_model(name, num_classes=num_classes, weights=weights)
+    return Classifier(backbone, optimizer=optimizer, scheduler=scheduler, scheduler_interval=scheduler_interval)
+
+
+#: The Auto classes of ``model=hf``, by the kind of data.
+HF_TASKS = {"text": "AutoModelForSequenceClassification", "image": "AutoModelForImageClassification"}
+
+
+def hf_model(
+    name: Optional[str] = None,
+    config: Optional[dict[str, Any]] = None,
+    num_labels: int = 2,
+    task: str = "text",
+    vocab_size: Optional[int] = None,
+    image_shape: Optional[Sequence[int]] = None,
+) -> nn.Module:
+    """A Hugging Face ``transformers`` classifier: ``name`` (``from_pretrained``) or ``config`` (built, no download).
+
+    ``config`` is ``AutoConfig.for_model(**config)`` (``{"model_type": "bert", "num_hidden_layers": 2,
+    ...}``) and the model ``from_config`` with random weights; ``name`` is a hub name in the local cache or
+    a directory written by ``save_pretrained``. ``task`` chooses the Auto class: ``"text"`` (sequence
+    classification, for token ids) or ``"image"`` (image classification, for pixels). Unless the config
+    says otherwise, ``vocab_size`` and ``image_shape`` (``[channels, height, width]``) of the data set the
+    config's vocabulary, channels and image size; a config without a padding token (GPT-2) gets token 0,
+    so that batches of several sequences classify. The module records ``num_classes``.
+
+    Raises:
+        ImportError: transformers is not installed (``pip install -e '.[hf]'``).
+        ValueError: neither or both of ``name`` and ``config``, an unknown ``task``, or a config without
+            ``model_type``.
+
+    Example::
+
+        >>> model = hf_model(config={"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2,
+        ...                          "num_attention_heads": 2, "intermediate_size": 64}, num_labels=3, vocab_size=100)
+        >>> import torch
+        >>> model(input_ids=torch.zeros(2, 5, dtype=torch.long)).logits.shape
+        torch.Size([2, 3])
+    """
+    if (name is None) == (config is None):
+        raise ValueError("model=hf needs model.name=NAME_OR_DIRECTORY (from_pretrained) or model.config={model_type: "
+                         "..., ...} (built from a config, no download), not " + ("both" if name else "neither"))
+    if task not in HF_TASKS:
+        raise ValueError(f"model.task={task!r}: one of {', '.join(HF_TASKS)} (token ids or images)")
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("model=hf needs transformers: pip install -e '.[hf]'") from None
+    auto = getattr(transformers, HF_TASKS[task])
+    if name is not None:
+        model = auto.from_pretrained(name, num_labels=num_labels, ignore_mismatched_sizes=True)
+    else:
+        options = dict(config)
+        if "model_type" not in options:
+            raise ValueError("model.config needs model_type (bert, gpt2, vit, resnet, ...): "
+                             "model.config={model_type: bert, ...}")
+        built = transformers.AutoConfig.for_model(options.pop("model_type"), num_labels=num_labels)
+        defaults: dict[str, Any] = {}
+        if vocab_size is not None and hasattr(built, "vocab_size"):
+            defaults["vocab_size"] = vocab_size
+        if image_shape is not None:
+            if hasattr(built, "num_channels"):
+                defaults["num_channels"] = int(image_shape[0])
+            if hasattr(built, "image_size"):
+                defaults["image_size"] = int(image_shape[-1])
+        for key, value in {**defaults, **options}.items():
+            setattr(built, key, value)
+        if task == "text" and getattr(built, "pad_token_id", None) is None:
+            built.pad_token_id = 0
+        model = auto.from_config(built)
+    model.num_classes = num_labels
+    return model
+
+
+def hf_classifier(
+    name: Optional[str] = None,
+    config: Optional[dict[str, Any]] = None,
+    num_labels: int = 2,
+    task: str = "text",
+    vocab_size: Optional[int] = None,
+    image_shape: Optional[Sequence[int]] = None,
+    optimizer: Optional[OptimizerFactory] = None,
+    scheduler: Optional[SchedulerFactory] = None,
+    scheduler_interval: str = "epoch",
+) -> Classifier:
+    """A :class:`Classifier` around :func:`hf_model` (``model=hf``): its parameters are ``backbone.<name>``.
+
+    Raises:
+        ImportError, ValueError: as :func:`hf_model`.
+    """
+    backbone = hf_model(name, config, num_labels, task, vocab_size, image_shape)
     return Classifier(backbone, optimizer=optimizer, scheduler=scheduler, scheduler_interval=scheduler_interval)

@@ -237,10 +237,6 @@ def _run(study: Study, out: Path, progress: "Progress") -> int:
         from lightning_pin.app import train  # noqa: F401  (the imports every job shares)
     with progress.stage("composing the job config"):
         template = _compose(study, _compose_overrides(study), out / JOBS_DIR / "template")
-    measured = (template.get("metric", "val_acc"), template.get("metric_mode", "max"))
-    if study.no_retrain and measured != ("val_acc", "max"):
-        raise StudyError(f"--no-retrain measures top-1 accuracy of the model's outputs, not metric={template.metric} "
-                         f"(metric_mode={template.metric_mode}): drop --no-retrain, or measure val_acc")
     out.mkdir(parents=True, exist_ok=True)
     _claim(out, study)
     log_path = out / LOG
@@ -894,9 +890,11 @@ def _param_names(template: Any, ckpt: str) -> list[str]:
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     state = state.get("state_dict", state)
     names = list(state)
-    if WEIGHTS_2D in patterns:  # a model of your own: every *.weight with two or more dimensions
+    if WEIGHTS_2D in patterns:  # a model of your own: the weights of its conv and linear layers
+        from lightning_pin.app.custom import build_model
+
         patterns = [p for p in patterns if p != WEIGHTS_2D]
-        patterns += default_pin_names(state.items())
+        patterns += default_pin_names(state.items(), build_model(template, None, announce=False).model)
 
     def matches(name: str, pattern: str) -> bool:
         return re.fullmatch(pattern[3:], name) is not None if pattern.startswith("re:") else fnmatchcase(name, pattern)
@@ -924,7 +922,7 @@ class ForcedCampaign:
         from hydra.utils import instantiate
 
         from lightning_pin.app.custom import build_datamodule, build_model, expand_params
-        from lightning_pin.app.train import load_weights
+        from lightning_pin.app.train import load_weights, tracks_logged_metric
 
         self.template, self.ckpt, self.progress = template, ckpt, progress
         if template.get("torch_threads"):
@@ -933,7 +931,13 @@ class ForcedCampaign:
         self.recipe = ""
         optimizer = instantiate(template.optimizer, _convert_="all")
         # Built as the app's jobs build it: a model of your own (any of the three kinds) and your data too.
-        self.model = build_model(template, optimizer, announce=False).model
+        built = build_model(template, optimizer, announce=False)
+        self.model = built.model
+        # Measured as the retrained path measures it: the model's own validation_step and the metric it logs,
+        # or (the app's classifier and val_acc) top-1 accuracy of its predictions.
+        self.metric = str(template.get("metric", "val_acc"))
+        self.logged = tracks_logged_metric(template, built)
+        self.model_name = built.target
         load_weights(self.model, ckpt)
         self.model.eval()
         #: ``--deploy torchao-int8``: the int8 weights torchao made (their stored codes are faulted).
@@ -972,10 +976,22 @@ class ForcedCampaign:
         self.baseline = self.evaluate() if evaluate else None
 
     def evaluate(self) -> float:
-        """Accuracy over the validation batches, as the app's monitor measures it (micro accuracy of argmax)."""
-        from lightning_pin.callbacks.monitor import default_predict
+        """The tracked metric over the validation batches, as the retrained path's monitor measures it.
+
+        A logged metric (``metric=val_loss``, a model of your own): the model's ``validation_step`` on each
+        batch, reduced as Lightning reduces what it logs; the app's classifier and ``val_acc``: micro accuracy
+        of the argmax of its predictions, as :class:`~lightning_pin.PinMonitor` counts it.
+        """
+        from lightning_pin.app.metric import missing_metric
+        from lightning_pin.callbacks.batches import default_predict, run_validation
 
         torch = self.torch
+        if self.logged:
+            capture = run_validation(self.model, self.batches)
+            value = capture.value(self.metric)
+            if value is None:
+                raise missing_metric(self.metric, capture.names(), self.model_name)
+            return value
         correct = torch.zeros((), dtype=torch.int64)
         total = 0
         with torch.no_grad():

@@ -194,6 +194,9 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[st
 
     # 1. Everything is built, and the pins resolved on the model, before the first step.
     datamodule = build_datamodule(cfg)
+    if is_app_data(cfg):
+        # The app's data sets that download (data=cifar10) get their data, or end in one line, before any training.
+        datamodule.prepare_data()
     optimizer = instantiate(cfg.optimizer, _convert_="all")
     # Objects go in through partials: instantiate(node, **objects) would copy them into the config.
     built = build_model(cfg, optimizer)

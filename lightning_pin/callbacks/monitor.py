@@ -30,6 +30,7 @@ from torchmetrics import Metric
 from torchmetrics.classification import BinaryAccuracy, MulticlassAccuracy
 
 from lightning_pin.callbacks._compat import setup_validation_data
+from lightning_pin.callbacks.batches import default_predict
 from lightning_pin.reporting import report as reporting
 from lightning_pin.reporting.preservation import Preservation
 from lightning_pin.core.engine import PinEngine, StepStats
@@ -49,8 +50,6 @@ __all__ = ["PREFIX", "PinMonitor", "Predict", "default_predict"]
 PREFIX = reporting.PREFIX
 Predict = Callable[[nn.Module, Any], tuple[Tensor, Tensor]]
 
-_TARGET_KEYS = ("y", "target", "targets", "label", "labels")
-_INPUT_KEYS = ("x", "input", "inputs", "image", "images", "pixel_values", "input_ids")
 
 
 class PinMonitor:
@@ -568,37 +567,6 @@ def _own_random_stream() -> Any:
     without this a measurement at train start would shift every later shuffle, and a fit given its ``baseline``
     would train differently from one that measured it."""
     return torch.random.fork_rng(devices=[])
-
-
-def default_predict(module: nn.Module, batch: Any) -> tuple[Tensor, Tensor]:
-    """``(module(x), y)`` for ``(x, y)`` batches and mappings with input and target keys.
-
-    Raises:
-        PinError: the batch is neither, or a mapping without a known input or target key.
-    """
-    if isinstance(batch, Mapping):
-        x = next((batch[k] for k in _INPUT_KEYS if k in batch), None)
-        y = next((batch[k] for k in _TARGET_KEYS if k in batch), None)
-        if x is None or y is None:
-            raise PinError(
-                f"PinMonitor cannot tell inputs from targets in a batch with keys {sorted(batch)}: "
-                f"pass predict=callable(module, batch) -> (preds, target)"
-            )
-    elif isinstance(batch, Sequence) and not isinstance(batch, str) and len(batch) >= 2:
-        x, y = batch[0], batch[-1]
-    else:
-        raise PinError(
-            f"PinMonitor cannot split a batch of type {type(batch).__name__} into inputs and targets: "
-            f"pass predict=callable(module, batch) -> (preds, target)"
-        )
-    out = module(x)
-    if hasattr(out, "logits"):
-        out = out.logits
-    elif isinstance(out, (tuple, list)):
-        out = out[0]
-    if isinstance(y, Tensor) and out.ndim == y.ndim + 1 and out.shape[-1] == 1:
-        out = out.squeeze(-1)  # regression heads with one output
-    return out, y
 
 
 def _default_accuracy(preds: Tensor) -> Metric:
