@@ -179,3 +179,26 @@ def test_the_stuck_neuron_summary_line_on_the_page_is_what_the_summary_prints():
         model(torch.randn(2, 1, 8, 8))
         (line,) = handle.outputs["neuron"].summary().splitlines()
     assert f"(`{line}`)" in DOCS[ROOT / "docs" / "how-to" / "stuck-neurons.md"]
+
+
+def test_the_pages_carry_the_batches_branchs_readme_changes():
+    """What the batches branch (model=hf, fake data, batches of any structure) changed in the README before its
+    sections moved into the docs site: its own-model texts, the app's table, installs from the clone, and a tutorial
+    of its own for the Hugging Face models on fake data."""
+    page = {path.relative_to(ROOT).as_posix(): " ".join(text.split()) for path, text in DOCS.items()}
+    for path, text in page.items():
+        assert "select every parameter named `*.weight` with two or more dimensions" not in text, path
+        assert "pip install 'lightning-pin[" not in text, path
+    own = page["docs/tutorials/fault-study-own-model.md"]
+    assert "(on a transformer: its attention and MLP projections, Hugging Face's `Conv1D` included; not embeddings," in own
+    assert "**Batches of any structure.** Every tool feeds a batch as your `validation_step` does" in own
+    assert "a Hugging Face output's `.logits` is the prediction" in own and "](hf-transformer.md)" in own
+    hf = page["docs/tutorials/hf-transformer.md"]
+    assert hf.startswith("# A fault study of a Hugging Face transformer")
+    assert "`model=hf` builds a Hugging Face `transformers` classifier (`pip install -e '.[hf]'`)" in hf
+    assert "ends before any training with one line naming it, the directory looked in, `data.download=false`" in hf
+    assert "`hf` (a Hugging Face `transformers` classifier: `model.name=NAME_OR_DIRECTORY`" in page[
+        "docs/how-to/hydra-app.md"]
+    assert "A fault study of a Hugging Face transformer: tutorials/hf-transformer.md" in (ROOT / "mkdocs.yml").read_text()
+    assert "](hf-transformer.md)" in page["docs/tutorials/index.md"]
+    assert "](docs/tutorials/hf-transformer.md)" in page["README.md"]
