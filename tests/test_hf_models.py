@@ -1,7 +1,7 @@
 """Transformers and dict batches in every tool: model=hf (a tiny BERT and GPT-2 from configs) on data=fake_text
 through train, faults (--kind value, --no-retrain with metric=val_loss), export --to model.onnx and check; a
 model of your own whose forward takes the batch dict through --no-retrain, --kind flip and the ONNX export; the
-default pins of a transformer; data=cifar10 offline in one line; the extras the README and the errors name.
+default pins of a transformer; data=cifar10 offline in one line; the extras the docs and the errors name.
 
 Runs that need Hydra's record of the run (export reads .hydra/config.yaml) go through ``lightning_pin.train`` in a
 process forked from tests/fork_runner.py; studies run in this process (``cli.main``).
@@ -319,18 +319,22 @@ def test_cifar10_offline_ends_before_any_training_in_one_line(download, fork_run
     assert not (tmp_path / "run" / "pretrained.ckpt").exists()
 
 
-def test_every_extra_the_readme_and_the_errors_name_exists():
+def test_every_extra_the_docs_and_the_errors_name_exists():
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     named: set[str] = set()
-    for path in [ROOT / "README.md", *sorted((ROOT / "lightning_pin").rglob("*.py"))]:
-        text = path.read_text()
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    for path in [*pages, *sorted((ROOT / "lightning_pin").rglob("*.py"))]:
+        text = " ".join(path.read_text().split())  # a command wrapped over two lines of a page too
         named |= set(re.findall(r"lightning-pin\[([\w-]+)\]", text))
         named |= set(re.findall(r"pip install -e '\.\[([\w,-]+)\]'", text))
     named = {part for entry in named for part in entry.split(",")}
     assert {"vision", "hf", "export"} <= named and named <= extras, named - extras
-    # From a clone, as the README writes them: the editable install of the checkout with its extras.
-    readme = (ROOT / "README.md").read_text()
-    assert "pip install -e '.[vision]'" in readme and not re.search(r"pip install 'lightning-pin\[", readme)
+    # From a clone, as the docs write them: the editable install of the checkout with its extras.
+    texts = {path.relative_to(ROOT).as_posix(): " ".join(path.read_text().split()) for path in pages}
+    assert "pip install -e '.[vision]'" in texts["docs/tutorials/fault-study-own-model.md"]
+    assert "pip install -e '.[hf]'" in texts["docs/tutorials/hf-transformer.md"]
+    for name, text in texts.items():
+        assert not re.search(r"pip install (-e )?'lightning-pin\[", text), name
 
 
 def test_the_apps_classifier_feeds_a_plain_backbone_mappings_by_its_own_signature():

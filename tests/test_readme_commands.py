@@ -1,7 +1,7 @@
 """Doc commands that must work where the docs put them: `lightning-pin report` right after `make demo`
-(docs/how-to/monitor.md; the app's runs are under outputs/), and the "Installed as a package" install
+(docs/how-to/monitor.md; the app's runs are under outputs/), the "Installed as a package" install
 (docs/getting-started.md), which must give up on an unreachable CPU index within seconds and fall back to the
-default one."""
+default one, and the Hugging Face tutorial's ResNet and BERT on fake data (docs/tutorials/hf-transformer.md)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from lightning_pin import cli
 ROOT = Path(__file__).resolve().parents[1]
 MONITOR = (ROOT / "docs" / "how-to" / "monitor.md").read_text()
 GETTING_STARTED = (ROOT / "docs" / "getting-started.md").read_text()
+#: The README's own-model section's real networks on fake data, before the docs site.
+HF_TUTORIAL = (ROOT / "docs" / "tutorials" / "hf-transformer.md").read_text()
 
 
 def bash_blocks(text: str) -> list[str]:
@@ -60,10 +62,10 @@ def test_the_package_install_falls_back_to_the_default_index_when_the_cpu_one_is
 
 
 def test_the_real_networks_on_fake_data_run_as_written(tmp_path, fork_runner):
-    """The own-model section's transformers ResNet on data=fake_images and BERT on data=fake_text, end to end."""
+    """The tutorial's transformers ResNet on data=fake_images and BERT on data=fake_text, end to end."""
     pytest.importorskip("transformers")
     pytest.importorskip("onnx")
-    (block,) = [b for b in bash_blocks() if "model=hf" in b]
+    (block,) = [b for b in bash_blocks(HF_TUTORIAL) if "model=hf" in b]
     lines = [line for line in block.splitlines() if line.strip()]
     assert len(lines) == 4 and "model_type: resnet" in lines[0] and "model_type: bert" in lines[2]
     for line in lines:

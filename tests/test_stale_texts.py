@@ -1,7 +1,8 @@
 """Texts that said something untrue of the run they describe: a summary verifying pins when none were pinned, a
 study counting a diverged job as recovered, advice to switch to the optimizer the jobs already used, the README
-refusing a fault kind the command has, and texts the deploy, remap and study-cost work replaced coming back with
-the pages the README's sections moved into."""
+refusing a fault kind the command has, and texts the deploy, remap, study-cost, engine, trust and stuck-neuron work
+replaced in the old README coming back with the pages its sections moved into (their replacements are checked on
+the pages)."""
 
 from __future__ import annotations
 
@@ -113,3 +114,91 @@ def test_the_pages_carry_what_replaced_the_old_readme_texts():
     assert "python benchmarks/remap.py" in page["docs/how-to/fault-aware-mapping.md"]
     assert "](docs/how-to/deploy-int8.md)" in page["README.md"] and "](docs/how-to/fault-aware-mapping.md)" in page[
         "README.md"]
+
+
+def test_the_pages_carry_the_engine_branchs_readme_changes():
+    """What the engine branch (the step plan, PinMonitor's memory) changed in the README before its sections moved
+    into the docs site: weight drift is opt-in, the step-call counts, no projections.py in the layout."""
+    page = {path.relative_to(ROOT).as_posix(): " ".join(text.split()) for path, text in DOCS.items()}
+    for path, text in page.items():
+        assert "projections.py" not in text, path
+    monitor = page["docs/how-to/monitor.md"]
+    assert "| with `PinMonitor(weight_drift=True)`: L2 distance of the free weights" in monitor
+    assert "The default monitor keeps no copy of the weights" in monitor and "`benchmarks/monitor_memory.py`" in monitor
+    performance = page["docs/explanation/performance.md"]
+    assert "`benchmarks/step_calls.py` counts the Python calls" in performance
+    assert "| quantized codes | 307 | 34 |" in performance and "at most 20 + 2 per tensor = 52" in performance
+    assert "`verify=\"step\"` reads one count per step from the device" in performance
+    assert "a step plan per optimizer" in page["docs/explanation/architecture.md"]
+
+
+def test_the_pages_carry_the_trust_branchs_readme_changes():
+    """What the trust branch changed in the README before its sections moved into the docs site: a code pin without a
+    stuck bit is refused, and `diverged` / at chance as the study and `lightning-pin train` decide them."""
+    page = {path.relative_to(ROOT).as_posix(): " ".join(text.split()) for path, text in DOCS.items()}
+    for path, text in page.items():
+        assert "when its loss is not finite or retraining ends at chance" not in text, path
+    assert "`code=` without a stuck bit (it would only move the elements onto the grid: `quantize()` trains on it)" in (
+        page["docs/tutorials/int8-stuck-bits.md"])
+    study = page["docs/how-to/fault-study.md"]
+    assert "when its loss, final accuracy or free weights are not finite" in study
+    assert "within 2 points of chance or below the forced accuracy" in study
+    assert "`outcome AT CHANCE` or `DIVERGED`" in study and "`pin_report.png` draws the chance line" in study
+
+
+def test_the_pages_carry_the_neuron_branchs_readme_changes():
+    """What the stuck-neuron branch changed in the README before its sections moved into the docs site: the feature
+    axis by module type, the new refusals, averaged copies, pin=neuron_faults's defaults on any model."""
+    page = {path.relative_to(ROOT).as_posix(): " ".join(text.split()) for path, text in DOCS.items()}
+    for path, text in page.items():
+        assert "counted with the batch dimension as axis 0: a convolution's channels" not in text, path
+        assert "seed=0, axis=1, value=0.0" not in text, path  # NeuronPin's axis defaults to None
+    neurons = page["docs/how-to/stuck-neurons.md"]
+    assert "`axis=None` (the default) is the module's feature axis, decided at its first forward" in neurons
+    assert "A 3-D output of another module is refused: give `axis=1` or `axis=-1`" in neurons
+    assert "(version 1) keep axis 1" in neurons
+    assert "`layer1.0.conv1 output channels [3, 7] (axis 1) stuck at 0.0`" in neurons
+    assert "An averaged copy (`handle.hold(ema)`, Lightning's weight averaging)" in neurons
+    assert "every exponent bit (inf / NaN whatever the layer computes)" in neurons
+    assert "matches a module and one of its descendants" in neurons
+    assert 'per="channel", batch=None, seed=0, axis=None)`' in neurons
+    assert "in every conv and linear layer, unless `pin.modules` names them" in neurons
+    assert "or of every conv and linear layer of another model" in page["docs/how-to/hydra-app.md"]
+
+
+def test_the_stuck_neuron_summary_line_on_the_page_is_what_the_summary_prints():
+    import torch
+
+    from lightning_pin import NeuronPin, pin
+
+    model = torch.nn.Sequential()
+    model.add_module("layer1", torch.nn.Sequential(torch.nn.Sequential()))
+    model.layer1[0].add_module("conv1", torch.nn.Conv2d(1, 8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pin(model, optimizer, [NeuronPin("layer1.0.conv1", channels=[3, 7])]) as handle:
+        model(torch.randn(2, 1, 8, 8))
+        (line,) = handle.outputs["neuron"].summary().splitlines()
+    assert f"(`{line}`)" in DOCS[ROOT / "docs" / "how-to" / "stuck-neurons.md"]
+
+
+def test_the_pages_carry_the_batches_branchs_readme_changes():
+    """What the batches branch (model=hf, fake data, batches of any structure) changed in the README before its
+    sections moved into the docs site: its own-model texts, the app's table, installs from the clone, and a tutorial
+    of its own for the Hugging Face models on fake data."""
+    page = {path.relative_to(ROOT).as_posix(): " ".join(text.split()) for path, text in DOCS.items()}
+    for path, text in page.items():
+        assert "select every parameter named `*.weight` with two or more dimensions" not in text, path
+        assert "pip install 'lightning-pin[" not in text, path
+    own = page["docs/tutorials/fault-study-own-model.md"]
+    assert "(on a transformer: its attention and MLP projections, Hugging Face's `Conv1D` included; not embeddings," in own
+    assert "**Batches of any structure.** Every tool feeds a batch as your `validation_step` does" in own
+    assert "a Hugging Face output's `.logits` is the prediction" in own and "](hf-transformer.md)" in own
+    hf = page["docs/tutorials/hf-transformer.md"]
+    assert hf.startswith("# A fault study of a Hugging Face transformer")
+    assert "`model=hf` builds a Hugging Face `transformers` classifier (`pip install -e '.[hf]'`)" in hf
+    assert "ends before any training with one line naming it, the directory looked in, `data.download=false`" in hf
+    assert "`hf` (a Hugging Face `transformers` classifier: `model.name=NAME_OR_DIRECTORY`" in page[
+        "docs/how-to/hydra-app.md"]
+    assert "A fault study of a Hugging Face transformer: tutorials/hf-transformer.md" in (ROOT / "mkdocs.yml").read_text()
+    assert "](hf-transformer.md)" in page["docs/tutorials/index.md"]
+    assert "](docs/tutorials/hf-transformer.md)" in page["README.md"]

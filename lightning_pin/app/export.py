@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TensorFileError, load_checkpoint
 
-__all__ = ["FORMATS", "check_destination", "example_input", "export_run", "load_run_model"]
+__all__ = ["FORMATS", "check_destination", "example_arguments", "export_run", "load_run_model"]
 
 
 #: What ``--to`` may name.
@@ -212,7 +212,8 @@ def export_run(run_dir: Union[str, Path], to: Union[str, Path], force: bool = Fa
 
         codes = codes_from_checkpoint(Path(run_dir) / "pinned.ckpt")
         to.parent.mkdir(parents=True, exist_ok=True)
-        return to_onnx(model, to, example_input(run_dir), int8=True, codes=codes)
+        args, kwargs = _by_name(model, *example_arguments(run_dir, model))
+        return to_onnx(model, to, args, int8=True, codes=codes, **({"kwargs": kwargs} if kwargs else {}))
     to.parent.mkdir(parents=True, exist_ok=True)
     if to.suffix == ".safetensors":
         from safetensors.torch import save_file
