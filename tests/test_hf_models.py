@@ -21,7 +21,7 @@ import torch
 from lightning_pin import cli
 from lightning_pin.app.custom import default_pin_names
 from lightning_pin.app.models import hf_model
-from lightning_pin.callbacks.batches import default_predict, forward_arguments, run_validation
+from lightning_pin.batches import default_predict, forward_arguments, run_validation
 
 from test_custom_model import env, forked
 

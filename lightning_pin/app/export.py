@@ -96,9 +96,9 @@ def example_arguments(run_dir: Union[str, Path], model: torch.nn.Module) -> tupl
     The app's backbones: a zero image ``1 x in_channels x image_size x image_size``; any other model: the
     first sample of the run's validation data (its DataModule rebuilt from the config), given to the forward
     as the model's own ``validation_step`` gives it (a dict batch becomes keyword arguments, which the ONNX
-    export names as its inputs; see :func:`~lightning_pin.callbacks.batches.forward_arguments`).
+    export names as its inputs; see :func:`~lightning_pin.batches.forward_arguments`).
     """
-    from lightning_pin.callbacks.batches import forward_arguments
+    from lightning_pin.batches import forward_arguments
 
     cfg = OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml")
     backbone = cfg.model.get("backbone")

@@ -25,7 +25,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_pin.app.custom import ConfigError
-from lightning_pin.callbacks.batches import run_validation
+from lightning_pin.batches import run_validation
 from lightning_pin.callbacks.monitor import PinMonitor
 
 __all__ = ["LoggedMetric", "LoggedMetricMonitor", "MODES", "check_mode", "missing_metric"]

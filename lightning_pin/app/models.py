@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_pin.callbacks.batches import call_arguments, logits_of, split_batch
+from lightning_pin.batches import call_arguments, logits_of, split_batch
 
 __all__ = [
     "Classifier", "MLP", "OptimizerFactory", "SchedulerFactory", "SmallCNN", "TinyTransformer",

@@ -983,7 +983,7 @@ class ForcedCampaign:
         of the argmax of its predictions, as :class:`~lightning_pin.PinMonitor` counts it.
         """
         from lightning_pin.app.metric import missing_metric
-        from lightning_pin.callbacks.batches import default_predict, run_validation
+        from lightning_pin.batches import default_predict, run_validation
 
         torch = self.torch
         if self.logged:

@@ -30,7 +30,7 @@ from torchmetrics import Metric
 from torchmetrics.classification import BinaryAccuracy, MulticlassAccuracy
 
 from lightning_pin.callbacks._compat import setup_validation_data
-from lightning_pin.callbacks.batches import default_predict
+from lightning_pin.batches import default_predict
 from lightning_pin.reporting import report as reporting
 from lightning_pin.reporting.preservation import Preservation
 from lightning_pin.core.engine import PinEngine, StepStats

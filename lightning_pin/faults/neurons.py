@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_pin.batches import TARGET_KEYS, call_arguments
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds.neuron import (
     NeuronPin, check_levels, feature_axis, match_modules, module_feature_axis, name_seed,
@@ -198,10 +199,7 @@ def _outputs(
         hooks.append(submodules[name].register_forward_hook(record))
     try:
         if isinstance(batch, Mapping):
-            # A tokenizer's dict: fed as every tool feeds it (its input keys to the forward by name). Imported here:
-            # lightning_pin.callbacks loads Lightning, and this module is torch only.
-            from lightning_pin.callbacks.batches import TARGET_KEYS, call_arguments
-
+            # A tokenizer's dict: fed as every tool feeds it (its input keys to the forward by name).
             args, kwargs = call_arguments(module, {k: v for k, v in batch.items() if k not in TARGET_KEYS})
             module(*args, **kwargs)
         else:
