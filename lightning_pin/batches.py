@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.fx import Proxy
 
 from lightning_pin.core.errors import PinError
 
@@ -102,6 +103,8 @@ def _parameters(module: nn.Module) -> list[inspect.Parameter]:
 
 def logits_of(output: Any) -> Tensor:
     """The prediction in a model's output: a Hugging Face output's ``.logits``, a tuple's first item."""
+    if isinstance(output, (Tensor, Proxy)):  # a traced tensor (torch.fx: remap) answers hasattr with yes
+        return output
     if hasattr(output, "logits"):
         return output.logits
     if isinstance(output, (tuple, list)):

@@ -18,6 +18,9 @@ from test_recovery import ValNet  # noqa: E402
 
 # The pin callback's own tables and reports stay on: tune keeps them in each trial's trial.log.
 TINY = ["pretrain.max_epochs=1", "trainer.max_epochs=1", "trainer.limit_train_batches=4", "data.batch_size=128"]
+# Three complete trials whatever their accuracies: with 4 training batches a trial's accuracy moves by points with the
+# shuffle, and the median pruner (tested on its own below) would prune one or not by chance.
+NO_PRUNE = ["--no-prune"]
 
 
 def read(path):
@@ -28,7 +31,8 @@ def read(path):
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     out = tmp_path_factory.mktemp("tune")
-    assert cli.main(["tune", "--trials", "3", "--out", str(out), "--param", "optimizer.lr=log:1e-3:1e-2", *TINY]) == 0
+    assert cli.main(["tune", "--trials", "3", "--out", str(out), "--param", "optimizer.lr=log:1e-3:1e-2", *NO_PRUNE,
+                     *TINY]) == 0
     return out
 
 
@@ -46,7 +50,7 @@ def test_three_trials_in_sqlite_and_a_rerun_resumes(baseline, capsys):
     capsys.readouterr()
     # The same command with one more trial: the study resumes from SQLite and runs only that one.
     assert cli.main(["tune", "--trials", "4", "--out", str(baseline), "--param", "optimizer.lr=log:1e-3:1e-2",
-                     *TINY]) == 0
+                     *NO_PRUNE, *TINY]) == 0
     captured = capsys.readouterr()
     out = captured.out
     assert "3/4 trials done" in out and "trial 3:" in out and "trial 2:" not in out

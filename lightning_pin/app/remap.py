@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_pin.batches import INPUT_KEYS
 from lightning_pin.core import kinds
 from lightning_pin.core.errors import PinError
 
@@ -30,10 +31,8 @@ def batch_inputs(batch: Any) -> Any:
     Raises:
         PinError: a batch of another form.
     """
-    from lightning_pin.callbacks.monitor import _INPUT_KEYS
-
     if isinstance(batch, Mapping):
-        found = next((batch[k] for k in _INPUT_KEYS if k in batch), None)
+        found = next((batch[k] for k in INPUT_KEYS if k in batch), None)
         if found is not None:
             return found
     elif isinstance(batch, Sequence) and not isinstance(batch, str) and len(batch) >= 2:

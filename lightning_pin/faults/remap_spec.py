@@ -12,6 +12,7 @@ unless its group is excluded. No module-order guessing: the graph says what feed
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional, Union
@@ -124,7 +125,7 @@ def remap_spec(model: nn.Module, example_input: Any, *, exclude: Union[str, Sequ
     args = example_input if isinstance(example_input, tuple) else (example_input,)
     was_training = model.training
     try:
-        graph_module = torch.fx.symbolic_trace(model)
+        graph_module = _trace(model, len(args))
     except Exception as err:  # noqa: BLE001 - any tracing failure means: give spec=
         raise PinError(
             f"remap: torch.fx cannot trace {type(model).__name__} ({type(err).__name__}: {err}); give "
@@ -381,3 +382,28 @@ def check_spec(spec: Mapping[str, Sequence[Member]], tensors: Mapping[str, Tenso
 
 
 __all__ = ["Member", "Spec", "check_spec", "remap_spec"]
+
+
+def _trace(model: nn.Module, inputs: int) -> Any:
+    """``torch.fx.symbolic_trace(model)``; a forward that takes ``*args`` (a wrapper passing its inputs on, as the
+    app's Classifier) is traced as if it took ``inputs`` positional inputs: fx cannot iterate a ``*args`` proxy.
+    The class is swapped for the trace only, to a subclass whose forward has that fixed signature."""
+    import torch.fx
+
+    cls = type(model)
+    try:
+        takes_varargs = any(p.kind is p.VAR_POSITIONAL for p in inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        takes_varargs = False
+    if not takes_varargs:
+        return torch.fx.symbolic_trace(model)
+    names = ", ".join(f"input_{i}" for i in range(inputs))
+    namespace: dict[str, Any] = {}
+    # fx reads the forward's code object for its placeholders, so the fixed signature must be a real one
+    exec(f"def forward(self, {names}):\n    return cls.forward(self, {names})\n", {"cls": cls}, namespace)  # noqa: S102
+    model.__class__ = type(cls.__name__, (cls,), {"forward": namespace["forward"], "__module__": cls.__module__})
+    try:
+        graph = torch.fx.Tracer().trace(model)
+    finally:
+        model.__class__ = cls
+    return torch.fx.GraphModule(model, graph, class_name=cls.__name__)
