@@ -721,8 +721,13 @@ def main() -> None:
     parser.add_argument("--depth-fractions", default="0.01,0.2", help="fractions of the depth rows")
     parser.add_argument("--depth-trainer", action="store_true", help="the depth rows through PinCallback in a Trainer")
     args = parser.parse_args()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
     quick, smoke = args.quick or args.smoke, args.smoke
+    # --smoke's timings mean nothing: one thread, so a loaded machine does not spin two against each other
+    torch.set_num_threads(1 if smoke else min(2, os.cpu_count() or 1))
+    # The cases collect garbage before each fit; the ~400k objects of the imports never become garbage, and
+    # scanning them took seconds per collection on a loaded machine (most of --smoke's time): move them out of
+    # the collector's generations once.
+    gc.freeze()
     if args.depth_trainer:
         depths = tuple(int(d) for d in args.depths.split(","))
         rows = {}

@@ -84,6 +84,9 @@ def serve() -> None:
     import lightning_pin.app.train  # noqa: F401  (the app, its callbacks, reporting and torchmetrics)
     import lightning_pin.faults  # noqa: F401
 
+    import gc
+
+    gc.freeze()  # the imports' objects, never garbage: a child's collections skip them (and leave their pages shared)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)

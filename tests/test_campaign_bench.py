@@ -6,17 +6,15 @@ study printed its progress."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "campaign.py"
 
 
-def test_campaign_benchmark_reports_the_three_ratios(tmp_path):
+def test_campaign_benchmark_reports_the_three_ratios(tmp_path, fork_runner):
     out = tmp_path / "campaign.json"
-    done = subprocess.run([sys.executable, str(BENCH), "--smoke", "--json", str(out)], capture_output=True,
-                          text=True, timeout=900)
+    done = fork_runner.run([sys.executable, str(BENCH), "--smoke", "--json", str(out)], cwd=tmp_path, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     a, b, c = results["study_overhead"], results["no_retrain_per_draw"], results["drawing_over_evaluation"]

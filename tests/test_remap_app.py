@@ -89,16 +89,14 @@ def test_remap_with_a_deployed_int8_campaign_exits_2_in_one_line(tmp_path, capsy
     assert not (tmp_path / "x").exists()
 
 
-def test_the_benchmark_reports_its_ratios(tmp_path) -> None:
+def test_the_benchmark_reports_its_ratios(tmp_path, fork_runner) -> None:
     """benchmarks/remap.py --quick runs end to end (1 seed, two settings): no ratio asserted but the damage's."""
     import json
-    import subprocess
     import sys
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "remap.py"
     out = tmp_path / "remap.json"
-    done = subprocess.run([sys.executable, str(bench), "--quick", "--json", str(out)], capture_output=True,
-                          text=True, timeout=600)
+    done = fork_runner.run([sys.executable, str(bench), "--quick", "--json", str(out)], cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     table = json.loads(out.read_text())["table"]
     assert set(table) == {"cells 30% 1:1", "stuck bits 1e-3"}
