@@ -25,6 +25,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_pin.batches import call_arguments, split_batch
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import resolve
 from lightning_pin.core.spec import Pin
@@ -167,10 +168,6 @@ def default_neuron_modules(model: nn.Module) -> list[str]:
         raise PinError(message) from None
 
 
-#: Keys of a mapping batch that hold targets, not inputs of the forward (the probe's guess).
-_TARGET_KEYS = ("labels", "label", "y", "target", "targets")
-
-
 def probe_output_pins(model: nn.Module, pins: Sequence[Any], datamodule: Any) -> None:
     """The first-forward checks of output pins (stuck neurons: the feature axis, channels inside the
     output, its dtype, stuck bits that would read inf / NaN) on one training batch, in eval mode and
@@ -209,16 +206,15 @@ def probe_output_pins(model: nn.Module, pins: Sequence[Any], datamodule: Any) ->
 
 
 def _forward(model: nn.Module, batch: Any) -> Any:
+    """One forward of ``batch`` as every tool feeds it (:mod:`lightning_pin.batches`)."""
     if isinstance(batch, Tensor):
         return model(batch)
-    if isinstance(batch, (tuple, list)):
-        return model(batch[0])
-    if isinstance(batch, dict):
-        try:
-            return model(**{k: v for k, v in batch.items() if k not in _TARGET_KEYS})
-        except TypeError:
-            return model(batch)
-    return model(batch)
+    try:
+        inputs, _ = split_batch(batch, "pin=neuron_faults")
+    except PinError:  # a structure the tools cannot split: the fit reports what it makes of it
+        return None
+    args, kwargs = call_arguments(model, inputs)
+    return model(*args, **kwargs)
 
 
 def save_faults(pins: Sequence[Any], module: nn.Module, path: Union[str, Path]) -> None:
