@@ -20,17 +20,9 @@ from lightning_pin.deploy import to_onnx, to_torchao, trained_codes  # noqa: E40
 from lightning_pin.faults import bit_faults, quantize  # noqa: E402
 from lightning_pin.faults.quantize import weight_code  # noqa: E402
 from lightning_pin.reporting.check import check_artifacts  # noqa: E402
+from test_deploy_faults import SmallCNN  # noqa: E402  (the same small CNN the fault tests quantize)
 
 
-class SmallCNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3)
-        self.fc1 = nn.Linear(4 * 6 * 6, 32)
-        self.fc2 = nn.Linear(32, 10)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(torch.relu(self.conv(x)).flatten(1))))
 
 
 def _codes(model, variant):
