@@ -122,7 +122,7 @@ def test_the_global_optimizer_hooks_go_with_the_handle(monkeypatch):
     from lightning_pin.core import handle as handle_module
 
     # Handles other tests left alive (not removed) keep their own global hook: start from none.
-    monkeypatch.setattr(handle_module, "_COVERING", weakref.WeakSet())
+    monkeypatch.setattr(handle_module, "_COVERING", {})
     monkeypatch.setattr(handle_module, "_GLOBAL_HOOK", [])
     pre, post = len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)
     models = [_net(seed) for seed in range(3)]

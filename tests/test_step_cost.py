@@ -287,3 +287,42 @@ def test_a_steady_step_makes_at_most_20_calls_plus_2_per_pinned_tensor(kind):
     counts = step_calls.count_calls(kind, steps=5)
     assert max(counts[2:]) <= step_calls.budget(), counts
     assert counts[0] > counts[-1]  # the counter sees the first step's building (it can fail)
+
+
+def _leave_a_handle_behind(keep: list) -> None:
+    """pin() on another model and optimizer, never removed; the handle sits in a reference cycle
+    with its module (kept alive through ``keep`` when given)."""
+    module = nn.Sequential(nn.Linear(3, 3))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    handle = pin(module, optimizer, [Pin("0.weight", indices=[(0, 0)], value=0.0)])
+    module.cycle = [module, handle]
+    keep.append(module)
+
+
+def test_a_handle_dropped_without_remove_is_collected_and_costs_other_loops_nothing():
+    """Its grad hooks live in C++, out of the garbage collector's sight: they must not keep the
+    handle (and with it the model and the optimizer) alive, nor leave every other optimizer's step
+    on the slow path of the check for optimizers not given to pin()."""
+    import gc
+    import weakref
+
+    step_calls = _step_calls()
+    alone = step_calls.count_calls("value", steps=3)[-1]
+    kept: list = []
+    gc.disable()  # the cycle stays until the count's own collection
+    try:
+        _leave_a_handle_behind(kept)
+        module_ref = weakref.ref(kept.pop())
+        assert module_ref() is not None
+        after_a_dropped_one = step_calls.count_calls("value", steps=3)[-1]
+    finally:
+        gc.enable()
+    gc.collect()
+    assert module_ref() is None
+    assert after_a_dropped_one == alone
+    # A live one on another optimizer: this optimizer's steps are checked against its pins, in the
+    # one call of the global hook that runs anyway (a cached answer, no Python frame more).
+    _leave_a_handle_behind(kept)
+    beside_a_live_one = step_calls.count_calls("value", steps=3)[-1]
+    assert beside_a_live_one == alone
+    kept.clear()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, Optional
@@ -469,9 +470,18 @@ class PinEngine:
         ]
 
     def _grad_hook(self, name: str) -> Callable[[Tensor], None]:
+        # The hook lives in C++ (on the parameter's autograd metadata), where Python's garbage
+        # collector cannot see it: a strong reference to the engine from there would keep the
+        # engine, its handle, the module and the optimizer alive forever once the user drops them
+        # without remove(). A weak one lets the whole cycle go.
+        engine_ref = weakref.ref(self)
+
         def hook(parameter: Tensor) -> None:
             # Runs once per pinned parameter and backward, hundreds of times a step in a deep
             # model: a dict lookup and one kernel (see _grad_masks).
+            self = engine_ref()
+            if self is None:
+                return
             masks = self._grad_masks if self._grad_masks is not None else self._build_grad_masks()
             mask = masks.get(name)
             grad = parameter.grad

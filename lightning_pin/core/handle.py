@@ -28,6 +28,7 @@ counts that step, as reading ``found_inf`` would cost a host-device sync per ste
 
 from __future__ import annotations
 
+import operator
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -720,11 +721,14 @@ def _kind(value: Any) -> str:
 # Every live handle's check of the optimizers it was not given runs from one torch-global step
 # pre-hook (register_optimizer_step_pre_hook sees every optimizer), installed while a handle lives:
 # per step, one param-group layout and one lookup, whatever the number of handles.
-_COVERING: weakref.WeakSet[PinHandle] = weakref.WeakSet()
+# Live handles by id. A weak reference with a callback, not a WeakSet: a handle collected without
+# remove() (dropped in a reference cycle) must also recompute _GIVEN_TO_ALL, or every later step of
+# every optimizer would take the slow path of the check below.
+_COVERING: dict[int, weakref.ref[PinHandle]] = {}
 _GLOBAL_HOOK: list[RemovableHandle] = []
 # Per optimizer: (the handles' version, its param-group layout, [(handle, names, parameters)] of
 # the live handles it was not given whose pinned parameters it holds).
-_HELD: weakref.WeakKeyDictionary[Optimizer, tuple[int, tuple[tuple[int, int], ...], list[Any]]] = (
+_HELD: weakref.WeakKeyDictionary[Optimizer, tuple[int, tuple[tuple[int, ...], tuple[int, ...]], list[Any]]] = (
     weakref.WeakKeyDictionary()
 )
 _VERSION = [0]
@@ -735,12 +739,14 @@ _GIVEN_TO_ALL: list[frozenset[int]] = [frozenset()]
 
 def _handles_changed() -> None:
     _VERSION[0] += 1
-    live = list(_COVERING)
+    live = [h for h in (ref() for ref in list(_COVERING.values())) if h is not None]
     _GIVEN_TO_ALL[0] = frozenset.intersection(*(h._own_ids for h in live)) if live else frozenset()
 
 
-def _layout(optimizer: Optimizer) -> tuple[tuple[int, int], ...]:
-    return tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
+# Which parameter lists an optimizer's groups hold and how long they are (a change means the cached
+# answer of _check_any_step is stale), read with C-level map calls only: no Python frame on a check
+# that runs on every step of every optimizer while a handle is live.
+_PARAMS_OF_GROUP = operator.itemgetter("params")
 
 
 def _check_any_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
@@ -752,13 +758,14 @@ def _check_any_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     """
     if id(optimizer) in _GIVEN_TO_ALL[0]:
         return
-    layout = _layout(optimizer)
+    lists = list(map(_PARAMS_OF_GROUP, optimizer.param_groups))
+    layout = tuple(map(id, lists)), tuple(map(len, lists))
     cached = _HELD.get(optimizer)
     if cached is None or cached[0] != _VERSION[0] or cached[1] != layout:
         ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
         held = []
-        for handle in list(_COVERING):
-            if id(optimizer) in handle._own_ids:
+        for handle in (ref() for ref in list(_COVERING.values())):
+            if handle is None or id(optimizer) in handle._own_ids:
                 continue
             mine = [(n, p) for n, p in handle.engine.plan.parameters.items() if id(p) in ids]
             if mine:
@@ -782,16 +789,17 @@ class _Covering:
     and the global hook goes when no handle is left."""
 
     def __init__(self, handle: PinHandle) -> None:
-        self._handle = weakref.ref(handle)
-        _COVERING.add(handle)
+        self._key = id(handle)
+        # The callback runs if the handle is collected without remove() (see _COVERING).
+        self._handle = weakref.ref(handle, lambda _: self.remove())
+        _COVERING[self._key] = self._handle
         _handles_changed()
         if not _GLOBAL_HOOK:
             _GLOBAL_HOOK.append(register_optimizer_step_pre_hook(_check_any_step))
 
     def remove(self) -> None:
-        handle = self._handle()
-        if handle is not None:
-            _COVERING.discard(handle)
+        if _COVERING.get(self._key) is self._handle:  # not yet removed (and the id not reused)
+            del _COVERING[self._key]
         _handles_changed()
         if not _COVERING and _GLOBAL_HOOK:
             _GLOBAL_HOOK.pop().remove()
