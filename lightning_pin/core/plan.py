@@ -29,45 +29,13 @@ from lightning_pin.core import kinds
 from lightning_pin.core.kinds._common import name_seed  # noqa: F401  (also lightning_pin.core.plan.name_seed)
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
+from lightning_pin.core.selection import Selection  # also lightning_pin.core.plan.Selection
 from lightning_pin.core.spec import Pin, check_mask, coordinates, when_path
 
 __all__ = [
     "PinPlan", "ResolvedPin", "Selection", "call_when", "check_conflicts", "check_targets_fit", "compact_index",
     "fraction_indices", "name_seed", "refuse_sparse_gradients", "resolve", "resolve_when", "tied_names",
 ]
-
-
-@dataclasses.dataclass
-class Selection:
-    """The elements one pin selects in one parameter, and their explicit targets."""
-
-    name: str
-    parameter: nn.Parameter
-    #: Sorted, unique flat (row-major) element indices on the parameter's device: int32 when the
-    #: parameter has fewer than 2**31 elements, else int64.
-    #: ``None`` selects the whole tensor.
-    index: Tensor | None
-    #: Explicit targets in the parameter's dtype and device: one per element of ``index``, or
-    #: of the parameter's shape when ``index`` is None. ``None``: captured when the pin activates.
-    values: Tensor | None
-    #: How the elements were chosen, for the summary ("indices", "mask", "fraction 0.05", "whole").
-    how: str
-    #: The name of the kind that holds the elements (see :mod:`lightning_pin.core.kinds`).
-    kind: str = kinds.DEFAULT.kind
-    #: The kind's per-element tensors by field (its ``payload_fields``: ``stuck_at_zero`` /
-    #: ``stuck_at_one`` masks, ``low`` / ``high`` bounds), one entry per element of ``index`` or
-    #: of the parameter's shape, on the parameter's device. Empty for value pins (``values``).
-    payload: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-    #: Tensors of the module the kind reads at every restore (a quantized code's learned scale):
-    #: live references, never saved or fingerprinted (see ``Kind.resolve_in``).
-    context: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-
-    def __getattr__(self, field: str) -> Any:
-        return kinds.payload_field(self, field)  # a payload field by name (``selection.low``), or None
-
-    @property
-    def count(self) -> int:
-        return self.parameter.numel() if self.index is None else int(self.index.numel())
 
 
 @dataclasses.dataclass

@@ -24,6 +24,7 @@ from typing import Any, Union
 
 import torch
 
+from lightning_pin.core import registry
 from lightning_pin.core.errors import PinError
 
 __all__ = ["Pin", "PinValue", "check_mask", "check_value", "coordinates", "number_leaves", "when_path"]
@@ -148,9 +149,7 @@ class Pin:
     def kind(self) -> str:
         """The name of the pin's kind (see :mod:`lightning_pin.core.kinds`): ``"value"``, ``"stuck_bits"``,
         ``"bounds"``: which projection holds the selected elements."""
-        from lightning_pin.core import kinds
-
-        return kinds.for_pin(self).kind
+        return registry.for_pin(self).kind
 
     def __post_init__(self) -> None:
         # Hydra hands over DictConfig / ListConfig: turn them into plain containers once, so the
@@ -158,10 +157,9 @@ class Pin:
         for name in _FIELDS:
             if name != "when":
                 object.__setattr__(self, name, _plain(getattr(self, name)))
-        if isinstance(self.code, Mapping):  # Hydra / YAML: {bits: 8, scale: 0.01}
-            from lightning_pin.core.kinds.quant_code import QuantCode
-
-            object.__setattr__(self, "code", QuantCode.from_config(self.code))
+        # Hydra / YAML: code={bits: 8, scale: 0.01} becomes a QuantCode (the kinds register which fields).
+        for name, value in registry.convert_fields({name: getattr(self, name) for name in _FIELDS}).items():
+            object.__setattr__(self, name, value)
         _check_fields(self)
 
     @classmethod
@@ -195,11 +193,10 @@ class Pin:
 
         Stable across processes and runs (no ``id`` or ``hash``), so checkpoints find their state.
         """
-        from lightning_pin.core.kinds import LATER_FIELDS
-
+        later = registry.later_fields()
         digest = hashlib.sha256()
         for name in _FIELDS:
-            if name in LATER_FIELDS and getattr(self, name) is None:
+            if name in later and getattr(self, name) is None:
                 continue
             if name == "buffers" and self.buffers is True:
                 continue  # a default added later: the fingerprints (and state keys) of older pins stay
@@ -351,9 +348,7 @@ def _check_fields(pin: Pin) -> None:
     else:
         check_value(pin, pin.value)
     when_path(pin)
-    from lightning_pin.core import kinds
-
-    kinds.check_spec(pin)  # the fields of each kind (stuck bits, bounds, ...): checked by the kind
+    registry.check_spec(pin)  # the fields of each kind (stuck bits, bounds, ...): checked by the kind
 
 
 def _check_params(pin: Pin) -> None:

@@ -32,6 +32,7 @@ from lightning_pin.core import kinds
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds.base import show as _show
 from lightning_pin.core.kinds.stuck_bits import BITS_DTYPES
+from lightning_pin.core.selection import SavedSelection  # also lightning_pin.core.state.SavedSelection
 
 #: The version :meth:`PinState.to_dict` writes.
 STATE_VERSION = 3
@@ -47,49 +48,6 @@ CALLBACK_KEY_PREFIX = "PinCallback"
 
 class CorruptPinState(PinError):
     """Saved pin state that cannot be read: not a dict, missing or mistyped entries, bad values."""
-
-
-@dataclasses.dataclass(frozen=True, init=False)
-class SavedSelection:
-    """What one pin selects in one parameter, and the targets it holds there.
-
-    The kind's per-element tensors are in ``payload`` and read as attributes too
-    (``saved.stuck_at_zero``, ``saved.low``); they may be given by keyword when building one.
-
-    Example::
-
-        >>> bounds = SavedSelection(None, None, True, "bounds", low=torch.zeros(2), high=torch.ones(2))
-        >>> bounds.high
-        tensor([1., 1.])
-    """
-
-    #: Sorted flat row-major indices (int32 or int64), or None for the whole tensor.
-    index: Optional[Tensor]
-    #: One value per index (the parameter's shape for a whole tensor); None for a ``value=None``
-    #: pin that never activated.
-    target: Optional[Tensor]
-    #: Whether the target came from the spec (True) or was captured at activation (False).
-    explicit: bool
-    #: The name of the kind that holds the elements: ``"value"`` (``target``), ``"stuck_bits"``
-    #: (``stuck_at_zero`` / ``stuck_at_one``), ``"bounds"`` (``low`` / ``high``), ...
-    kind: str = kinds.DEFAULT.kind
-    #: The kind's per-element tensors by field name (its ``payload_fields``), one per index (the
-    #: parameter's shape for a whole tensor). Stuck-bit masks are in the signed integer type of
-    #: the parameter's width (see :data:`BITS_DTYPES`), bounds in the parameter's dtype.
-    payload: Mapping[str, Tensor] = dataclasses.field(default_factory=dict)
-
-    def __init__(
-        self, index: Optional[Tensor], target: Optional[Tensor], explicit: bool, kind: str = kinds.DEFAULT.kind,
-        payload: Optional[Mapping[str, Tensor]] = None, **fields: Optional[Tensor],
-    ) -> None:
-        merged = dict(payload or {})
-        merged.update((field, tensor) for field, tensor in fields.items() if tensor is not None)
-        for field, value in (("index", index), ("target", target), ("explicit", explicit), ("kind", kind),
-                             ("payload", merged)):
-            object.__setattr__(self, field, value)
-
-    def __getattr__(self, field: str) -> Any:
-        return kinds.payload_field(self, field)  # a payload field by name (``selection.low``), or None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,8 +26,12 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
+import torch
+
+from lightning_pin.core import registry
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds._common import shared_positions
 from lightning_pin.core.kinds.base import Kind, Unreadable
@@ -36,9 +40,8 @@ from lightning_pin.core.kinds.neuron import NeuronKind
 from lightning_pin.core.kinds.quant_code import QuantCode, QuantizedCode
 from lightning_pin.core.kinds.stuck_bits import StuckBits
 from lightning_pin.core.kinds.value import ExactValue
-
-if TYPE_CHECKING:
-    from lightning_pin.core.spec import Pin
+from lightning_pin.core.registry import check_spec, for_pin, payload_field
+from lightning_pin.core.spec import Pin
 
 #: Every kind, in the order a pin's fields are checked and its kind is found; the first is the
 #: default (a pin with none of the others' fields). A kind that reads another's fields and more
@@ -59,16 +62,17 @@ OUTPUT_KINDS: tuple[Any, ...] = (
 BY_NAME: dict[str, type[Kind]] = {kind.kind: kind for kind in KINDS}
 #: The kind of a pin that gives none of the other kinds' fields.
 DEFAULT = KINDS[0]
+# What the spec and the selection types ask about the kinds (a pin's kind, its field checks, a
+# payload field by name) they ask the registry, below them: filled here, on import.
+registry.fill(KINDS, field_types={"code": QuantCode.from_config})
 #: Pin fields of the kinds added after the first release: fingerprinted only when given, so pins
 #: that do not use them keep the fingerprints (and checkpoint state keys) of earlier releases.
-LATER_FIELDS = tuple(field for kind in KINDS[1:] for field in kind.pin_fields)
+LATER_FIELDS = registry.later_fields()
 
 
 def output_kind(pin: Any) -> Any:
     """The output kind whose spec ``pin`` is (or whose ``config_key`` a mapping without ``params``
     carries), else None (a weight pin)."""
-    from collections.abc import Mapping
-
     for kind in OUTPUT_KINDS:
         if isinstance(pin, kind.spec):
             return kind
@@ -90,31 +94,9 @@ def split(pins: Any) -> tuple[list[Any], list[tuple[Any, list[Any]]]]:
     return weights, [(kind, outputs[kind]) for kind in OUTPUT_KINDS if kind in outputs]
 
 
-def payload_field(holder: Any, field: str) -> Any:
-    """``holder.payload[field]`` for a selection's attribute access (``selection.low``); None where its kind
-    holds no such field but another kind does; AttributeError for a name no kind holds."""
-    payload = holder.__dict__.get("payload")
-    if payload is not None and field in payload:
-        return payload[field]
-    if payload is not None and any(field in each.payload_fields for each in KINDS):
-        return None
-    raise AttributeError(field)
-
-
 def of(name: str) -> type[Kind]:
     """The kind called ``name`` (a selection's, a saved selection's ``kind``)."""
     return BY_NAME[name]
-
-
-def for_pin(pin: Pin) -> type[Kind]:
-    """The kind of ``pin``: the first kind (after the default) whose fields it gives."""
-    return next((kind for kind in KINDS[1:] if kind.claims(pin)), DEFAULT)
-
-
-def check_spec(pin: Pin) -> None:
-    """Every kind's checks of ``pin``'s fields, in registry order (at construction)."""
-    for kind in KINDS:
-        kind.check_spec(pin)
 
 
 def check_conflict(first: Pin, a: Any, second: Pin, b: Any, name: str) -> None:
@@ -131,8 +113,6 @@ def check_conflict(first: Pin, a: Any, second: Pin, b: Any, name: str) -> None:
     a_pos, _ = shared_positions(a.index, b.index, a.parameter.numel())
     if a_pos.numel() == 0:
         return
-    import torch
-
     flat = a_pos if a.index is None else a.index.cpu().long()[a_pos]
     coords = tuple(int(c) for c in torch.unravel_index(torch.tensor(int(flat[0])), tuple(a.parameter.shape)))
     reason = next((kind.mixed_reason for kind in KINDS if kind in (kind_a, kind_b) and kind.mixed_reason),

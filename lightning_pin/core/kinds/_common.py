@@ -4,17 +4,16 @@ the elements two selections share, and coordinates for messages."""
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+import numbers
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.layouts import _Layout
-
-if TYPE_CHECKING:
-    from lightning_pin.core.plan import Selection
-    from lightning_pin.core.spec import Pin
+from lightning_pin.core.selection import Selection
+from lightning_pin.core.spec import Pin
 
 __all__ = [
     "clip", "coords", "first", "is_int", "merge_paired", "merge_rounds", "name_seed", "per_element",
@@ -92,8 +91,6 @@ def coords(parameter: Tensor, index: Tensor | None, at: int) -> tuple[int, ...]:
 
 
 def is_int(x: Any) -> bool:
-    import numbers
-
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 

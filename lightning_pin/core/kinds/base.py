@@ -15,18 +15,16 @@ Nothing here imports the plan, the engine or Lightning: ``lightning-pin check`` 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import Tensor
 
+from lightning_pin.core.selection import SavedSelection, Selection
 from lightning_pin.core.sharding import Target, copy_at, is_sharded, wide_index
-
-if TYPE_CHECKING:
-    from lightning_pin.core.plan import Selection
-    from lightning_pin.core.spec import Pin
-    from lightning_pin.core.state import SavedSelection
+from lightning_pin.core.spec import Pin
 
 __all__ = ["Expected", "Kind", "Reader", "Unreadable", "read_field", "show"]
 
@@ -137,8 +135,6 @@ class Kind:
     @classmethod
     def saved(cls, selection: Selection, captured: Optional[Tensor]) -> SavedSelection:
         """What the pin state saves of ``selection`` (``captured``: the frozen kind's captured targets)."""
-        from lightning_pin.core.state import SavedSelection
-
         payload = {field: selection.payload[field].cpu() for field in cls.payload_fields}
         return SavedSelection(selection.index, None, True, cls.kind, payload=payload)
 
@@ -152,8 +148,6 @@ class Kind:
         Raises:
             CorruptPinState: through ``corrupt``, naming ``at`` and what is wrong.
         """
-        from lightning_pin.core.state import SavedSelection
-
         if target is not None or not explicit:
             raise corrupt(f"{at}: a {cls.kind} selection holds no target and is explicit (it comes from the spec)")
         shape = None if index is None else (index.numel(),)
@@ -259,8 +253,6 @@ class Kind:
     @classmethod
     def map_pin(cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any]) -> Pin:
         """The pin for the ``marked`` elements of a map (``select``: the selection fields)."""
-        from lightning_pin.core.spec import Pin
-
         return Pin(pattern, **{f: fields[f][marked] for f in cls.map_fields if f in fields}, **select)
 
     @classmethod
@@ -412,8 +404,6 @@ def read_field(
 
 def show(value: Any) -> str:
     """A value in a corrupt-state message: tensors by dtype and shape, others clipped."""
-    import math
-
     if isinstance(value, Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     if isinstance(value, float) and math.isnan(value):

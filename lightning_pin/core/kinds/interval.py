@@ -11,7 +11,7 @@ import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -22,13 +22,9 @@ from lightning_pin.core.kinds._common import coords as _coords
 from lightning_pin.core.kinds._common import first as _first
 from lightning_pin.core.kinds._common import merge_paired, per_element, shared_positions, sort_with_index
 from lightning_pin.core.kinds.base import Expected, Kind, Reader
+from lightning_pin.core.selection import SavedSelection, Selection
 from lightning_pin.core.sharding import Target
-from lightning_pin.core.spec import _is_bool, number_leaves
-
-if TYPE_CHECKING:
-    from lightning_pin.core.plan import Selection
-    from lightning_pin.core.spec import Pin
-    from lightning_pin.core.state import SavedSelection
+from lightning_pin.core.spec import Pin, _is_bool, number_leaves
 
 __all__ = ["Interval", "bounds_for", "check_bounds", "describe_bounds"]
 
@@ -168,8 +164,6 @@ class Interval(Kind):
 
     @classmethod
     def map_pin(cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any]) -> Pin:
-        from lightning_pin.core.spec import Pin
-
         count = int(marked.sum())
         pair = tuple(
             fields[f][marked] if f in fields else torch.full((count,), healthy, dtype=torch.float64)

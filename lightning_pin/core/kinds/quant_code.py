@@ -18,11 +18,12 @@ arithmetic, shared with :func:`lightning_pin.faults.quantize` and ``lightning-pi
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -32,13 +33,10 @@ from lightning_pin.core.kinds._common import coords as _coords
 from lightning_pin.core.kinds._common import first as _first
 from lightning_pin.core.kinds._common import is_int as _is_int
 from lightning_pin.core.kinds._common import merge_paired, merge_rounds, per_element, shared_positions, sort_with_index
-from lightning_pin.core.kinds.base import Expected, Kind, Reader, Unreadable
+from lightning_pin.core.kinds.base import Expected, Kind, Reader, Unreadable, read_field
+from lightning_pin.core.selection import SavedSelection, Selection
 from lightning_pin.core.sharding import Target, is_sharded
-
-if TYPE_CHECKING:
-    from lightning_pin.core.plan import Selection
-    from lightning_pin.core.spec import Pin
-    from lightning_pin.core.state import SavedSelection
+from lightning_pin.core.spec import Pin, number_leaves
 
 __all__ = [
     "QuantCode", "QuantizedCode", "Scale", "channels", "check_code", "code_of", "codes_of", "compute_dtype",
@@ -423,9 +421,6 @@ class QuantizedCode(Kind):
         cls, index: Optional[Tensor], target: Any, explicit: bool, saved: Mapping[str, Any], at: str,
         corrupt: Callable[[str], Exception],
     ) -> SavedSelection:
-        from lightning_pin.core.kinds.base import read_field
-        from lightning_pin.core.state import SavedSelection
-
         if target is not None or not explicit:
             raise corrupt(f"{at}: a {cls.kind} selection holds no target and is explicit (it comes from the spec)")
         shape = None if index is None else (index.numel(),)
@@ -458,8 +453,6 @@ class QuantizedCode(Kind):
         name = bytes(saved.payload["scale_name"].tolist()).decode()
         if not name or name not in tensors:
             return saved
-        from lightning_pin.core.state import SavedSelection
-
         payload = dict(saved.payload)
         payload["scale"] = tensors[name].detach().reshape(-1)
         return SavedSelection(saved.index, None, True, cls.kind, payload=payload)
@@ -548,8 +541,6 @@ class QuantizedCode(Kind):
 
     @classmethod
     def map_pin(cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any]) -> Pin:
-        from lightning_pin.core.spec import Pin
-
         code = select.pop("code", None)
         if code is None:
             raise PinError(f"load_fault_map: {pattern!r} has stuck code bits but the file holds no code for it")
@@ -725,8 +716,6 @@ def named_scale(pin: Any, code: QuantCode, module: nn.Module, name: str, size: i
     tensors.update(module.named_buffers(remove_duplicate=False))
     found = tensors.get(code.scale)
     if found is None:
-        import difflib
-
         close = difflib.get_close_matches(code.scale, list(tensors), n=3)
         raise PinError(f"{pin!r}: the scale {code.scale!r} is not a parameter or buffer of the module"
                        + (f" (closest: {', '.join(map(repr, close))})" if close else "")
@@ -743,8 +732,6 @@ def named_scale(pin: Any, code: QuantCode, module: nn.Module, name: str, size: i
 def _mask(pin: Pin, name: str, field: str, raw: Any, bits: int, shape: tuple[int, ...], index: Optional[Tensor],
           count: int) -> Tensor:
     """A code-bit mask per selected element, int32, each within the code's ``bits``."""
-    from lightning_pin.core.spec import number_leaves
-
     if raw is None:
         return torch.zeros(shape if index is None else (count,), dtype=torch.int32)
     if isinstance(raw, Tensor):
@@ -767,8 +754,6 @@ def _mask(pin: Pin, name: str, field: str, raw: Any, bits: int, shape: tuple[int
 
 def _no_bit(raw: Any) -> bool:
     """Whether a mask given in memory (an int, ints, a tensor) marks no bit at all."""
-    from lightning_pin.core.spec import number_leaves
-
     if isinstance(raw, Tensor):
         return not raw.is_floating_point() and raw.dtype != torch.bool and not bool(raw.detach().cpu().any())
     leaves = [raw] if _is_int(raw) else list(number_leaves(raw))
@@ -777,8 +762,6 @@ def _no_bit(raw: Any) -> bool:
 
 def _too_wide(raw: Any, bits: int) -> Optional[int]:
     """The first mask in ``raw`` (an int, ints, a tensor) that does not fit ``bits`` bits, if any."""
-    from lightning_pin.core.spec import number_leaves
-
     if isinstance(raw, Tensor):
         if raw.is_floating_point() or raw.dtype == torch.bool:
             return None

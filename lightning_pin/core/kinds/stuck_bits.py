@@ -12,7 +12,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -24,14 +24,10 @@ from lightning_pin.core.kinds._common import coords as _coords
 from lightning_pin.core.kinds._common import first as _first
 from lightning_pin.core.kinds._common import is_int as _is_int
 from lightning_pin.core.kinds._common import merge_paired, merge_rounds, per_element, shared_positions, sort_with_index
-from lightning_pin.core.kinds.base import Expected, Kind, Reader, Unreadable
+from lightning_pin.core.kinds.base import Expected, Kind, Reader, Unreadable, show
+from lightning_pin.core.selection import SavedSelection, Selection
 from lightning_pin.core.sharding import Target
-from lightning_pin.core.spec import number_leaves
-
-if TYPE_CHECKING:
-    from lightning_pin.core.plan import Selection
-    from lightning_pin.core.spec import Pin
-    from lightning_pin.core.state import SavedSelection
+from lightning_pin.core.spec import Pin, number_leaves
 
 __all__ = [
     "BITS_DTYPES", "EXPONENT_BITS", "StuckBits", "bits_dtype", "check_bits", "check_masks_hold", "describe_bits",
@@ -179,8 +175,6 @@ class StuckBits(Kind):
 
     @classmethod
     def check_saved(cls, payload: Mapping[str, Tensor], at: str, corrupt: Callable[[str], Exception]) -> None:
-        from lightning_pin.core.kinds.base import show
-
         zero, one = payload["stuck_at_zero"], payload["stuck_at_one"]
         for key, mask in (("stuck_at_zero", zero), ("stuck_at_one", one)):
             if mask.dtype not in BITS_DTYPES.values():

@@ -13,7 +13,7 @@ import math
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -23,13 +23,9 @@ from lightning_pin.core.kinds._common import clip as _clip
 from lightning_pin.core.kinds._common import is_int as _is_int
 from lightning_pin.core.kinds._common import merge_rounds, sort_with_index
 from lightning_pin.core.kinds.base import Expected, Kind, Reader
+from lightning_pin.core.selection import SavedSelection, Selection
 from lightning_pin.core.sharding import copy_at
-from lightning_pin.core.spec import check_value, number_leaves
-
-if TYPE_CHECKING:
-    from lightning_pin.core.plan import Selection
-    from lightning_pin.core.spec import Pin
-    from lightning_pin.core.state import SavedSelection
+from lightning_pin.core.spec import Pin, check_value, number_leaves
 
 __all__ = ["ExactValue", "differs"]
 
@@ -101,8 +97,6 @@ class ExactValue(Kind):
 
     @classmethod
     def saved(cls, selection: Selection, captured: Optional[Tensor]) -> SavedSelection:
-        from lightning_pin.core.state import SavedSelection
-
         explicit = selection.values is not None
         return SavedSelection(selection.index, selection.values if explicit else captured, explicit)
 
@@ -111,8 +105,6 @@ class ExactValue(Kind):
         cls, index: Optional[Tensor], target: Any, explicit: bool, saved: Mapping[str, Any], at: str,
         corrupt: Callable[[str], Exception],
     ) -> SavedSelection:
-        from lightning_pin.core.state import SavedSelection
-
         if target is None and explicit:
             raise corrupt(f"{at}: an explicit pin without a target")
         return SavedSelection(index, target, explicit)
