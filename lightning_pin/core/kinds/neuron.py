@@ -54,7 +54,7 @@ from lightning_pin.core.rules import (
     check_fraction, check_patterns, check_seed, check_steps, fraction_count, from_mapping, in_window, is_int,
     seeded_generator, smallest_keys, spec_repr, windows_overlap,
 )
-from lightning_pin.core.spec import check_value
+from lightning_pin.core.spec import _is_bool, check_value
 
 _FIELDS = (
     "modules", "channels", "indices", "fraction", "seed", "axis", "value", "stuck_at_zero", "stuck_at_one",
@@ -103,10 +103,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, numbers.Real) and not isinstance(value, (int, float)) and not _is_bool(value):
         return float(value)  # numpy's float32 (float64 is a float: kept as it was)
     return value
-
-
-def _is_bool(x: Any) -> bool:
-    return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool"))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
