@@ -114,7 +114,7 @@ def test_lightning_layer_loads_on_first_use():
 #: the registry, which the kinds fill on import (core/__init__ imports them). The plan and the saved
 #: state call the kinds; everything that executes the pins sits above them; the front door on top.
 CORE_LAYERS = [
-    {"errors", "bitwords", "io", "backward_end"},
+    {"errors", "bitwords", "io", "backward_end", "rules"},
     {"sharding", "layouts", "modules", "registry"},
     {"selection", "spec"},
     {"kinds"},

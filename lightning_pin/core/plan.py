@@ -29,6 +29,7 @@ from lightning_pin.core import kinds
 from lightning_pin.core.kinds._common import name_seed  # noqa: F401  (also lightning_pin.core.plan.name_seed)
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
+from lightning_pin.core.rules import fraction_count, in_window, seeded_generator, smallest_keys, windows_overlap
 from lightning_pin.core.selection import Selection  # also lightning_pin.core.plan.Selection
 from lightning_pin.core.spec import Pin, check_mask, coordinates, when_path
 
@@ -53,8 +54,7 @@ class ResolvedPin:
 
     def in_window(self, step: int) -> bool:
         """Whether optimizer step ``step`` falls in ``[start_step, stop_step)``."""
-        stop = self.pin.stop_step
-        return self.pin.start_step <= step and (stop is None or step < stop)
+        return in_window(self.pin, step)
 
 
 def call_when(rp: ResolvedPin, batch: Any, batch_idx: int) -> bool:
@@ -414,24 +414,13 @@ def fraction_indices(name: str, numel: int, fraction: float, seed: int) -> Tenso
     name, so every rank, run and resume selects the same elements without communicating. Sparse
     selections cost O(k log k) for k elements, not O(numel): a large tensor is never permuted.
     """
-    count = max(1, round(fraction * numel))
-    generator = torch.Generator().manual_seed(name_seed(name, seed))
+    count = fraction_count(fraction, numel)
+    generator = seeded_generator(name, seed)
     if count == numel:
         return torch.arange(numel)
     if count <= numel // 8:
         return _distinct_draws(numel, count, generator).sort().values
-    return _smallest_keys(numel, count, generator)
-
-
-def _smallest_keys(numel: int, count: int, generator: torch.Generator) -> Tensor:
-    """The ``count`` elements with the smallest uniform random keys: O(numel), for dense picks."""
-    keys = torch.rand(numel, generator=generator, dtype=torch.float64)
-    threshold = keys.kthvalue(count).values
-    below = keys < threshold
-    # Ties at the threshold are all but impossible with 53-bit keys; break them by position.
-    ties = (keys == threshold).nonzero().squeeze(1)[: count - int(below.sum())]
-    below[ties] = True
-    return below.nonzero().squeeze(1)
+    return smallest_keys(numel, count, generator)  # the draw NeuronPin makes for every count (it nests)
 
 
 def _distinct_draws(numel: int, count: int, generator: torch.Generator) -> Tensor:
@@ -595,19 +584,13 @@ def _same_entry(a: Any, b: Any) -> bool:
 # Conflicts between pins
 
 
-def _windows_overlap(a: Pin, b: Pin) -> bool:
-    a_stop = math.inf if a.stop_step is None else a.stop_step
-    b_stop = math.inf if b.stop_step is None else b.stop_step
-    return max(a.start_step, b.start_step) < min(a_stop, b_stop)
-
-
 def check_conflicts(pins: Sequence[ResolvedPin]) -> None:
     """Two pins may not give one element different explicit values at times that can overlap, nor
     faults that cannot hold together: each kind says what its pins may share (see
     :func:`lightning_pin.core.kinds.check_conflict`)."""
     for i, first in enumerate(pins):
         for second in pins[i + 1 :]:
-            if not _windows_overlap(first.pin, second.pin):
+            if not windows_overlap(first.pin, second.pin):
                 continue
             for name in first.selections.keys() & second.selections.keys():
                 kinds.check_conflict(first.pin, first.selections[name], second.pin, second.selections[name], name)

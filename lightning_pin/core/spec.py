@@ -17,7 +17,6 @@ import functools
 import hashlib
 import math
 import numbers
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
@@ -26,6 +25,7 @@ import torch
 
 from lightning_pin.core import registry
 from lightning_pin.core.errors import PinError
+from lightning_pin.core.rules import check_fraction, check_patterns, check_seed, check_steps, from_mapping, spec_repr
 
 __all__ = ["Pin", "PinValue", "check_mask", "check_value", "coordinates", "number_leaves", "when_path"]
 
@@ -169,19 +169,10 @@ class Pin:
         Raises:
             PinError: ``config`` is neither, has keys that are not fields of ``Pin``, or has no ``params``.
         """
-        if isinstance(config, Pin):
-            return config
-        if not isinstance(config, Mapping):
-            raise PinError(
-                f"a pin must be a Pin or a mapping with the keys of Pin, got {type(config).__name__}: {config!r}"
-            )
-        keys = {str(k) for k in config.keys()} - {"_target_"}
-        unknown = sorted(keys - set(_FIELDS))
-        if unknown:
-            raise PinError(f"pin {dict(config)!r} has unknown keys {unknown}; the keys of a Pin are {list(_FIELDS)}")
-        if "params" not in keys:
-            raise PinError(f"pin {dict(config)!r} has no 'params': name the parameters to pin, e.g. params: 'fc.weight'")
-        return cls(**{k: config[k] for k in keys})
+        return from_mapping(
+            cls, config, _FIELDS, what="pin", required="params",
+            hint="name the parameters to pin, e.g. params: 'fc.weight'",
+        )
 
     @property
     def patterns(self) -> tuple[str, ...]:
@@ -205,12 +196,7 @@ class Pin:
         return digest.hexdigest()[:16]
 
     def __repr__(self) -> str:
-        shown = [f"params={self.params!r}"]
-        for field in dataclasses.fields(self)[1:]:
-            value = getattr(self, field.name)
-            if not _is_default(value, field.default):
-                shown.append(f"{field.name}={_short(_hex(value) if field.name.startswith('stuck') else value)}")
-        return f"Pin({', '.join(shown)})"
+        return spec_repr(self)
 
 
 def _plain(value: Any) -> Any:
@@ -224,40 +210,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Sequence):
         return [_plain(v) for v in value]
     return value
-
-
-class _Hex(int):
-    """An int shown in hex: bit masks read better as 0x80000000 than as 2147483648."""
-
-    def __repr__(self) -> str:
-        return hex(self)
-
-
-def _hex(value: Any) -> Any:
-    if _is_int(value):
-        return _Hex(value)
-    if isinstance(value, list):
-        return [_hex(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_hex(v) for v in value)
-    return value
-
-
-def _is_default(value: Any, default: Any) -> bool:
-    if isinstance(value, torch.Tensor) or type(value) is not type(default):
-        return False
-    return bool(value == default)
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        if value.numel() <= 6:
-            return f"tensor({value.tolist()})"
-        return f"tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
-    if callable(value):
-        return getattr(value, "__qualname__", repr(value))
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _feed_code(digest: Any, code: Any) -> None:
@@ -329,19 +281,11 @@ def _check_fields(pin: Pin) -> None:
                 check_mask(pin, entry, f" for {key!r}", require_any=False)
         else:
             check_mask(pin, pin.mask)
-    if pin.fraction is not None:
-        f = pin.fraction
-        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not (0 < float(f) <= 1):
-            raise PinError(f"{pin!r}: fraction must be a number in (0, 1], got {f!r}")
+    check_fraction(pin, pin.fraction)
     if not isinstance(pin.buffers, bool):
         raise PinError(f"{pin!r}: buffers must be True or False, got {pin.buffers!r}")
-    if not _is_int(pin.seed):
-        raise PinError(f"{pin!r}: seed must be an integer, got {pin.seed!r}")
-    start, stop = pin.start_step, pin.stop_step
-    if not _is_int(start) or start < 0:
-        raise PinError(f"{pin!r}: start_step must be an integer >= 0, got {start!r}")
-    if stop is not None and (not _is_int(stop) or stop <= start):
-        raise PinError(f"{pin!r}: stop_step must be None or an integer > start_step ({start}), got {stop!r}")
+    check_seed(pin, pin.seed)
+    check_steps(pin, pin.start_step, pin.stop_step)
     if isinstance(pin.value, Mapping):
         for key, entry in pin.value.items():
             check_value(pin, entry, f" for {key!r}")
@@ -352,19 +296,7 @@ def _check_fields(pin: Pin) -> None:
 
 
 def _check_params(pin: Pin) -> None:
-    params = pin.params
-    patterns = [params] if isinstance(params, str) else list(params) if isinstance(params, (list, tuple)) else None
-    if not patterns or not all(isinstance(p, str) and p for p in patterns):
-        raise PinError(
-            f"{pin!r}: params must be a non-empty string or list of strings (globs over parameter names, "
-            f"e.g. 'encoder.*'), got {_clip(params)}"
-        )
-    for pattern in patterns:
-        if pattern.startswith("re:"):
-            try:
-                re.compile(pattern[3:])
-            except re.error as err:
-                raise PinError(f"{pin!r}: {pattern!r} is not a valid regular expression: {err}") from err
+    check_patterns(pin, "params", pin.params, "globs over parameter names, e.g. 'encoder.*'")
 
 
 def _is_int(x: Any) -> bool:

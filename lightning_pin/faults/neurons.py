@@ -15,9 +15,8 @@ from torch import Tensor, nn
 
 from lightning_pin.batches import TARGET_KEYS, call_arguments
 from lightning_pin.core.errors import PinError
-from lightning_pin.core.kinds.neuron import (
-    NeuronPin, check_levels, feature_axis, match_modules, module_feature_axis, name_seed,
-)
+from lightning_pin.core.kinds.neuron import NeuronPin, check_levels, feature_axis, match_modules, module_feature_axis
+from lightning_pin.core.rules import fraction_count, seeded_generator, smallest_keys
 
 _KINDS = ("sa0", "sa1", "value")
 _PER = ("channel", "neuron")
@@ -120,8 +119,7 @@ def neuron_faults(
             extra = {"value": stuck} if kind == "sa1" else {}
             pins.append(NeuronPin(name, fraction=float(rate), seed=seed, **extra))
             continue
-        keys, values = _draw(name, count, seed, low, high)
-        chosen = keys.argsort(stable=True)[: max(1, round(rate * count))].sort().values
+        chosen, values = _draw(name, count, rate, seed, low, high)
         if per == "channel":
             where: dict[str, Any] = {"channels": chosen.tolist(), "axis": pin_axis}
         else:
@@ -135,13 +133,14 @@ def neuron_faults(
     return pins
 
 
-def _draw(name: str, count: int, seed: int, low: float, high: float) -> tuple[Tensor, Tensor]:
-    """Per unit a random key (which are stuck: the smallest) and a value in [low, high), from one
-    generator seeded with ``seed`` and ``name``: a unit's key and value do not depend on the rate."""
-    generator = torch.Generator().manual_seed(name_seed(f"neuron:{name}", seed))
-    keys = torch.rand(count, generator=generator, dtype=torch.float64)
+def _draw(name: str, count: int, rate: float, seed: int, low: float, high: float) -> tuple[Tensor, Tensor]:
+    """The stuck units (sorted) and a value in [low, high) per unit, from one generator seeded with ``seed``
+    and ``name``: the units are drawn as a ``fraction=rate`` (:func:`~lightning_pin.core.rules.smallest_keys`,
+    a random key per unit), then the values, so a unit's key and value do not depend on the rate."""
+    generator = seeded_generator(f"neuron:{name}", seed)
+    chosen = smallest_keys(count, fraction_count(rate, count), generator)
     values = low + (high - low) * torch.rand(count, generator=generator, dtype=torch.float64)
-    return keys, values
+    return chosen, values
 
 
 def _channel_axis(

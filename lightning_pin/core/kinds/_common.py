@@ -3,7 +3,6 @@ the elements two selections share, and coordinates for messages."""
 
 from __future__ import annotations
 
-import hashlib
 import numbers
 from typing import Any
 
@@ -12,6 +11,7 @@ from torch import Tensor
 
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.layouts import _Layout
+from lightning_pin.core.rules import name_seed  # noqa: F401  (the seed of every seeded draw; kept here too)
 from lightning_pin.core.selection import Selection
 from lightning_pin.core.spec import Pin
 
@@ -146,9 +146,3 @@ def merge_rounds(target: Tensor, at: Tensor, given: Tensor, fold: Any) -> None:
     for r in range(int(counts.max()) if counts.numel() else 0):  # rounds of distinct rows
         rows = at[rank == r]
         target[rows] = fold(rows, target[rows], given[rank == r])
-
-
-def name_seed(name: str, seed: int) -> int:
-    """A 63-bit generator seed from ``seed`` and a parameter's (or module's) name, stable across processes: what
-    makes a seeded selection the same on every rank, run and resume."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1

@@ -35,6 +35,7 @@ import difflib
 import fnmatch
 import hashlib
 import math
+import numbers
 import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -46,8 +47,14 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_pin.core.bitwords import hex_word
 from lightning_pin.core.errors import PinError
-from lightning_pin.core.kinds._common import name_seed
-from lightning_pin.core.kinds.stuck_bits import BITS_DTYPES, EXPONENT_BITS, check_masks_hold
+from lightning_pin.core.kinds.stuck_bits import (
+    BITS_DTYPES, EXPONENT_BITS, check_bits, check_masks_hold, overlapping_bits,
+)
+from lightning_pin.core.rules import (
+    check_fraction, check_patterns, check_seed, check_steps, fraction_count, from_mapping, in_window, is_int,
+    seeded_generator, smallest_keys, spec_repr, windows_overlap,
+)
+from lightning_pin.core.spec import _is_bool, check_value
 
 _FIELDS = (
     "modules", "channels", "indices", "fraction", "seed", "axis", "value", "stuck_at_zero", "stuck_at_one",
@@ -71,17 +78,30 @@ class _DefaultValue(float):
 _ZERO = _DefaultValue(0.0)
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+class _FromStart(int):
+    """The default ``start_step=0``, Pin's: told apart from an explicit ``0`` by the fingerprint only, which
+    hashes it as the ``None`` this default was before NeuronPin took Pin's step rules, so the fingerprints
+    of saved states and checkpoint keys stay what they were (an explicit ``0`` hashed as ``0`` then too)."""
+
+    def __repr__(self) -> str:
+        return "0"
+
+
+_FROM_START = _FromStart(0)
 
 
 def _plain(value: Any) -> Any:
+    """Containers (OmegaConf's too) as tuples and dicts, numpy's numbers as Python's: what the fingerprint hashes."""
     if isinstance(value, (str, bytes, Tensor)) or value is None:
         return value
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, Sequence):
         return tuple(_plain(v) for v in value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+        return int(value)  # numpy's int64: refused before the shared rules, so no saved fingerprint holds one
+    if isinstance(value, numbers.Real) and not isinstance(value, (int, float)) and not _is_bool(value):
+        return float(value)  # numpy's float32 (float64 is a float: kept as it was)
     return value
 
 
@@ -96,8 +116,9 @@ class NeuronPin:
             pixel, every token, whatever the sequence length of each forward).
         indices: Positions in the per-sample output shape (tuples, or ints for a 1-d per-sample shape).
         fraction: A seeded ``round(fraction * n)`` (at least 1) of the ``n`` per-sample positions,
-            drawn from ``seed`` and the module's name: the same on every rank, run and resume, and
-            nested (a larger fraction with the same seed holds every position of a smaller one).
+            drawn from ``seed`` and the module's name as :class:`~lightning_pin.Pin` draws a fraction
+            of elements (the smallest of seeded random keys): the same on every rank, run and resume,
+            and nested (a larger fraction with the same seed holds every position of a smaller one).
         seed: The seed of ``fraction``.
         axis: The axis of ``channels``, counted with the batch as axis 0 (``-1``: the last). ``None``
             (default): the module's feature axis, decided at its first forward (see
@@ -111,11 +132,14 @@ class NeuronPin:
         stuck_at_zero: Bits stuck at 0 in the output word (an int; ``0x80000000`` is float32's sign bit).
         stuck_at_one: Bits stuck at 1. With either, the computed value keeps its other bits; ``value``
             may not be given with them.
-        start_step: First optimizer step the pin is active (default: from the start).
-        stop_step: The pin is active up to this step, exclusive (default: to the end).
+        start_step: First optimizer step (``trainer.global_step``) at which the pin is active (default 0,
+            as for :class:`~lightning_pin.Pin`; ``None``, what older configs say, means 0 too).
+        stop_step: The pin is active up to this step, exclusive; ``None`` means to the end.
 
     At most one of ``channels``, ``indices`` and ``fraction``; none means the whole output. A
-    module returning a tuple has its first output stuck.
+    module returning a tuple has its first output stuck. ``fraction``, ``seed``, ``start_step`` and
+    ``stop_step`` follow :class:`~lightning_pin.Pin`'s rules (:mod:`lightning_pin.core.rules`): the
+    same defaults, the same draw and the same refusals.
 
     A dead unit is in one layer: a glob or ``re:`` pattern that matches a module and one of its
     descendants (``block.*`` matching ``block.0`` and ``block.0.0``) is refused when the pin is
@@ -145,7 +169,7 @@ class NeuronPin:
     value: Union[float, Sequence[float]] = _ZERO
     stuck_at_zero: Optional[int] = None
     stuck_at_one: Optional[int] = None
-    start_step: Optional[int] = None
+    start_step: int = _FROM_START
     stop_step: Optional[int] = None
 
     #: What a NeuronPin is in the pin state and the registry.
@@ -154,7 +178,9 @@ class NeuronPin:
     def __post_init__(self) -> None:
         for name in _FIELDS:
             object.__setattr__(self, name, _plain(getattr(self, name)))
-        if _is_int(self.channels):
+        if self.start_step is None:  # NeuronPin's default before it took Pin's: it meant 0 and hashed so
+            object.__setattr__(self, "start_step", _FROM_START)
+        if is_int(self.channels):
             object.__setattr__(self, "channels", (self.channels,))
         if self.indices is not None and isinstance(self.indices, Sequence):
             object.__setattr__(
@@ -169,17 +195,12 @@ class NeuronPin:
         """A ``NeuronPin`` from one or from a mapping with its keys (Hydra / YAML; ``modules`` required).
 
         Raises:
-            PinError: unknown keys, or no ``modules``.
+            PinError: neither a ``NeuronPin`` nor a mapping, unknown keys, or no ``modules``.
         """
-        if isinstance(config, NeuronPin):
-            return config
-        keys = {str(k) for k in config.keys()} - {"_target_"}
-        unknown = sorted(keys - set(_FIELDS))
-        if unknown:
-            raise PinError(f"neuron pin {dict(config)!r} has unknown keys {unknown}; its keys are {list(_FIELDS)}")
-        if "modules" not in keys:
-            raise PinError(f"neuron pin {dict(config)!r} has no 'modules': name the modules whose outputs to pin")
-        return cls(**{k: config[k] for k in keys})
+        return from_mapping(
+            cls, config, _FIELDS, what="neuron pin", required="modules",
+            hint="name the modules whose outputs to pin, e.g. modules: 'layer1.0.conv1'",
+        )
 
     @property
     def patterns(self) -> tuple[str, ...]:
@@ -192,21 +213,29 @@ class NeuronPin:
         return self.stuck_at_zero is not None or self.stuck_at_one is not None
 
     def in_window(self, step: int) -> bool:
-        """Whether the pin is active at optimizer step ``step``."""
-        start = self.start_step or 0
-        return step >= start and (self.stop_step is None or step < self.stop_step)
+        """Whether the pin is active at optimizer step ``step`` (in ``[start_step, stop_step)``, as a ``Pin``)."""
+        return in_window(self, step)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A NeuronPin pickled before it took Pin's step rules may hold start_step=None (then the default).
+        if state.get("start_step", 0) is None:
+            state = {**state, "start_step": _FROM_START}
+        self.__dict__.update(state)
 
     def fingerprint(self, *, legacy: bool = False) -> str:
         """A digest of every field: stable across processes, so a resume finds its state.
 
         ``legacy``: the digest a pin with these fields had before the feature axis (``axis=None``
-        was then ``axis=1``), which a version-1 saved state holds.
+        was then ``axis=1``), which a version-1 saved state holds. The default ``start_step`` is hashed
+        as ``None``, what it was before NeuronPin took Pin's (``0``): every digest stays what it was.
         """
         digest = hashlib.sha256(b"NeuronPin")
         for name in _FIELDS:
             value = getattr(self, name)
             if legacy and name == "axis" and value is None:
                 value = LEGACY_AXIS
+            if name == "start_step" and type(value) is _FromStart:
+                value = None
             digest.update(f"{name}={value!r};".encode())
         return digest.hexdigest()[:16]
 
@@ -259,80 +288,57 @@ class NeuronPin:
         else:
             what = f"stuck at {float(self.value)!r}"
         window = ""
-        if self.start_step is not None or self.stop_step is not None:
-            window = f"  steps [{self.start_step or 0}, {'end' if self.stop_step is None else self.stop_step})"
+        if self.start_step or self.stop_step is not None:
+            window = f"  steps [{self.start_step}, {'end' if self.stop_step is None else self.stop_step})"
         return f"{where}  {what}{window}"
 
     def __repr__(self) -> str:
-        shown = [f"modules={self.modules!r}"]
-        for field in dataclasses.fields(self)[1:]:
-            value = getattr(self, field.name)
-            if field.name == "value" and type(value) is _DefaultValue:
-                continue
-            if value != field.default or type(value) is not type(field.default):
-                text = hex(value) if field.name.startswith("stuck") and _is_int(value) else repr(value)
-                shown.append(f"{field.name}={text if len(text) <= 80 else text[:77] + '...'}")
-        return f"NeuronPin({', '.join(shown)})"
+        return spec_repr(self)
 
 
 def _check(pin: NeuronPin) -> None:
-    """Every refusal that needs no module (at construction)."""
-    patterns = pin.modules
-    if isinstance(patterns, str):
-        patterns = (patterns,)
-    if not isinstance(patterns, tuple) or not patterns or not all(isinstance(p, str) and p != "" for p in patterns):
-        raise PinError(f"{pin!r}: modules must be a module name, a glob, a 're:' pattern or a non-empty list of them")
-    for pattern in patterns:
-        if pattern.startswith("re:"):
-            try:
-                re.compile(pattern[3:])
-            except re.error as err:
-                raise PinError(f"{pin!r}: {pattern!r} is not a valid regular expression ({err})") from None
+    """Every refusal that needs no module (at construction). The fields a ``Pin`` has too (``fraction``,
+    ``seed``, ``start_step`` / ``stop_step``, the numbers of ``value``, the stuck-bit masks) are refused by
+    the same checks, in the same words."""
+    check_patterns(pin, "modules", pin.modules, "module names, globs or 're:' patterns, e.g. 'layer*.conv1'")
     given = [name for name in ("channels", "indices", "fraction") if getattr(pin, name) is not None]
     if len(given) > 1:
-        raise PinError(f"{pin!r}: give at most one of channels, indices and fraction (got {given})")
+        raise PinError(f"{pin!r}: give at most one of channels / indices / fraction, got {' and '.join(given)}")
     if pin.channels is not None:
         if not isinstance(pin.channels, tuple) or not pin.channels or not all(
-            _is_int(c) and c >= 0 for c in pin.channels
+            is_int(c) and c >= 0 for c in pin.channels
         ):
             raise PinError(f"{pin!r}: channels must be a non-empty list of integers >= 0")
     if pin.indices is not None:
         ok = isinstance(pin.indices, tuple) and pin.indices and all(
-            isinstance(i, tuple) and i and all(_is_int(c) and c >= 0 for c in i) for i in pin.indices
+            isinstance(i, tuple) and i and all(is_int(c) and c >= 0 for c in i) for i in pin.indices
         )
         if not ok or len({len(i) for i in pin.indices}) != 1:
             raise PinError(
                 f"{pin!r}: indices must be a non-empty list of positions in the per-sample output shape, each a tuple "
                 "of integers >= 0 of one length (or ints, for a 1-d per-sample output)"
             )
-    if pin.fraction is not None:
-        f = pin.fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
-            raise PinError(f"{pin!r}: fraction must be a number in (0, 1], got {f!r}")
-    if not _is_int(pin.seed):
-        raise PinError(f"{pin!r}: seed must be an integer, got {pin.seed!r}")
-    if pin.axis is not None and (not _is_int(pin.axis) or pin.axis == 0):
+    check_fraction(pin, pin.fraction)
+    check_seed(pin, pin.seed)
+    if pin.axis is not None and (not is_int(pin.axis) or pin.axis == 0):
         raise PinError(
             f"{pin!r}: axis must be None (the module's feature axis) or a non-zero integer (axis 0 is the batch), "
             f"got {pin.axis!r}"
         )
-    values = pin.value if isinstance(pin.value, tuple) else (pin.value,)
-    if not values or not all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values
-    ):
-        raise PinError(f"{pin!r}: value must be a finite number or a non-empty list of them, got {pin.value!r}")
+    _check_value(pin)
     for name in ("stuck_at_zero", "stuck_at_one"):
         mask = getattr(pin, name)
-        if mask is not None and not (_is_int(mask) and mask >= 0):
-            raise PinError(f"{pin!r}: {name} must be an integer bit mask >= 0, got {mask!r}")
+        if mask is not None and not is_int(mask):
+            raise PinError(f"{pin!r}: {name} must be an int bit mask (one for every position), got {mask!r}")
+        check_bits(pin, name, mask)  # Pin's refusal of a negative mask
     if pin.stuck_bits and type(pin.value) is not _DefaultValue:
         raise PinError(
             f"{pin!r}: value= (the whole output) or stuck_at_zero= / stuck_at_one= (some bits of its word), not both"
         )
-    if pin.stuck_at_zero and pin.stuck_at_one and pin.stuck_at_zero & pin.stuck_at_one:
+    both = overlapping_bits(pin.stuck_at_zero, pin.stuck_at_one)
+    if both is not None:
         raise PinError(
-            f"{pin!r}: stuck_at_zero and stuck_at_one overlap ({hex(pin.stuck_at_zero & pin.stuck_at_one)}): a bit "
-            "cannot be stuck at 0 and at 1"
+            f"{pin!r}: stuck_at_zero and stuck_at_one overlap ({both}): a bit cannot be stuck at 0 and at 1"
         )
     if isinstance(pin.value, tuple) and pin.channels is None and pin.indices is None:
         raise PinError(f"{pin!r}: a list of values needs channels= or indices= (one value each)")
@@ -340,17 +346,17 @@ def _check(pin: NeuronPin) -> None:
         count = len(pin.channels if pin.channels is not None else pin.indices)
         if len(pin.value) != count:
             raise PinError(f"{pin!r}: {len(pin.value)} values for {count} selected positions")
-    start, stop = pin.start_step, pin.stop_step
-    if start is not None and not (_is_int(start) and start >= 0):
-        raise PinError(f"{pin!r}: start_step must be None or an integer >= 0, got {start!r}")
-    if stop is not None and not (_is_int(stop) and stop > (start or 0)):
-        raise PinError(f"{pin!r}: stop_step must be None or an integer > start_step ({start or 0}), got {stop!r}")
+    check_steps(pin, pin.start_step, pin.stop_step)
 
 
-def _windows_overlap(a: NeuronPin, b: NeuronPin) -> bool:
-    a0, b0 = a.start_step or 0, b.start_step or 0
-    a1, b1 = a.stop_step if a.stop_step is not None else math.inf, b.stop_step if b.stop_step is not None else math.inf
-    return a0 < b1 and b0 < a1
+def _check_value(pin: NeuronPin) -> None:
+    """A number or a non-empty list of numbers; the numbers themselves (no bool, complex, NaN or inf) by
+    :func:`~lightning_pin.core.spec.check_value`, Pin's check."""
+    value = pin.value
+    flat = isinstance(value, tuple) and value and not any(isinstance(v, (tuple, str, bytes)) for v in value)
+    if not (flat or isinstance(value, numbers.Number) or _is_bool(value)):
+        raise PinError(f"{pin!r}: value must be a finite number or a non-empty list of them, got {value!r}")
+    check_value(pin, list(value) if isinstance(value, tuple) else value)
 
 
 def match_modules(pin: NeuronPin, names: Sequence[str]) -> list[str]:
@@ -469,10 +475,22 @@ def axis_words(axis: int, ndim: int) -> str:
 
 def fraction_positions(name: str, numel: int, fraction: float, seed: int) -> Tensor:
     """``round(fraction * numel)`` (at least 1) flat per-sample positions, sorted: those with the
-    smallest seeded random keys, so a larger fraction with the same seed holds a smaller one's."""
-    count = max(1, round(fraction * numel))
-    keys = torch.rand(numel, generator=torch.Generator().manual_seed(name_seed(name, seed)), dtype=torch.float64)
-    return keys.argsort(stable=True)[:count].sort().values
+    smallest seeded random keys, so a larger fraction with the same seed holds a smaller one's.
+
+    The draw :func:`~lightning_pin.core.plan.fraction_indices` makes for a ``Pin`` (the same count, the
+    same generator from ``seed`` and the name, the same keys), at every count: a ``Pin`` switches to a
+    sparse draw, which does not nest, at ``count <= numel // 8`` to spare permuting a huge weight.
+
+    Example::
+
+        >>> from lightning_pin.core.plan import fraction_indices
+        >>> torch.equal(fraction_positions("fc1", 64, 0.5, 3), fraction_indices("fc1", 64, 0.5, 3))
+        True
+        >>> small, large = fraction_positions("fc1", 64, 0.05, 3), fraction_positions("fc1", 64, 0.5, 3)
+        >>> bool(torch.isin(small, large).all())  # nested
+        True
+    """
+    return smallest_keys(numel, fraction_count(fraction, numel), seeded_generator(name, seed))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -711,7 +729,7 @@ class NeuronHold:
         if first <= step < end:  # no pin starts or stops in between: nothing to decide
             return
         active = frozenset(i for i, p in enumerate(self.pins) if p.in_window(step))
-        edges = [e for p in self.pins for e in (p.start_step or 0, p.stop_step) if e is not None]
+        edges = [e for p in self.pins for e in (p.start_step, p.stop_step) if e is not None]
         self._span = (max([e for e in edges if e <= step], default=-(1 << 62)),
                       min([e for e in edges if e > step], default=1 << 62))
         if active != self._active:
@@ -969,7 +987,7 @@ def _check_agree(name: str, entries: Sequence[_Entry], out_shape: tuple[int, ...
     """Two neuron pins at overlapping steps may share a position only if they read the same there."""
     for i, a in enumerate(entries):
         for b in entries[i + 1:]:
-            if not _windows_overlap(a.pin, b.pin):
+            if not windows_overlap(a.pin, b.pin):
                 continue
             full = tuple(torch.broadcast_shapes(a.shape, b.shape))
             mask_a, values_a = a.dense(full)
