@@ -126,10 +126,9 @@ CORE_LAYERS = [
 _HIDDEN = {
     "spec": {"lightning_pin.core.kinds", "lightning_pin.core.kinds.quant_code"},
     "kinds/base": {"lightning_pin.core.spec", "lightning_pin.core.state"},
-    "kinds/value": {"lightning_pin.core.state"},
     "kinds/interval": {"lightning_pin.core.spec"},
     "kinds/stuck_bits": {"lightning_pin.core.kinds.base"},
-    "kinds/quant_code": {"lightning_pin.core.spec", "lightning_pin.core.state", "lightning_pin.core.kinds.base"},
+    "kinds/quant_code": {"lightning_pin.core.spec"},
 }
 
 

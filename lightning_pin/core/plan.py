@@ -59,7 +59,7 @@ class Selection:
     #: of the parameter's shape, on the parameter's device. Empty for value pins (``values``).
     payload: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     #: Tensors of the module the kind reads at every restore (a quantized code's learned scale):
-    #: live references, never saved or fingerprinted (see ``Kind.resolve_in``).
+    #: live references, never saved or fingerprinted (see ``Kind.resolve``).
     context: dict[str, Tensor] = dataclasses.field(default_factory=dict)
 
     def __getattr__(self, field: str) -> Any:
@@ -260,7 +260,7 @@ def resolve(
                 return _by_name(pin, field, name, _load(pin, field, source, files), matched, aliases, known)
 
             # The kind sorts and dedupes the index and sets the elements' per-element payload.
-            kind.resolve_in(pin, selection, read, warn, module)
+            kind.resolve(pin, selection, read, warn, module)
             selection.kind = kind.kind
             if selection.index is not None:
                 selection.index = compact_index(selection.index, named[name].numel()).to(named[name].device)

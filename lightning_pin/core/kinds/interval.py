@@ -51,6 +51,8 @@ class Interval(Kind):
     off_words = "out of bounds"
     pin_fields = ("bounds",)
     payload_fields = ("low", "high")
+    dtype_field = "low"
+    fixes_words = False  # the element trains inside its interval: a forced fault writes no word
     mixed_reason = "clamping can undo a stuck bit; "
 
     # ------------------------------------------------------------------------------------
@@ -70,7 +72,9 @@ class Interval(Kind):
     # The plan
 
     @classmethod
-    def resolve(cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any]) -> None:
+    def resolve(
+        cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any], module: torch.nn.Module
+    ) -> None:
         low, high = (read("bounds", side) for side in pin.bounds)
         sides = bounds_for(pin, selection.name, selection.parameter, selection.index, low, high)
         low, high = sort_with_index(pin, selection, sides, "bounds")
@@ -107,7 +111,10 @@ class Interval(Kind):
             )
 
     @classmethod
-    def merge(cls, name: str, parameter: torch.nn.Parameter, entries: Sequence[Selection]) -> Interval:
+    def merge(
+        cls, name: str, parameter: torch.nn.Parameter, entries: Sequence[Selection],
+        captured: Sequence[Optional[Tensor]] = (),
+    ) -> Interval:
         """Bounds of several pins on one element intersect (the plan has refused empty ones)."""
         dtype = parameter.dtype
         extremes = (-torch.inf, torch.inf) if dtype.is_floating_point else (torch.iinfo(dtype).min,
@@ -145,18 +152,12 @@ class Interval(Kind):
         off = ~((wide >= low.to(torch.float64)) & (wide <= high.to(torch.float64)))
         return off, lambda i: f"bounds [{low[i].item()!r}, {high[i].item()!r}]"
 
-    @classmethod
-    def stored_dtype(cls, saved: SavedSelection) -> Optional[torch.dtype]:
-        return saved.payload["low"].dtype
-
     # ------------------------------------------------------------------------------------
     # Fault-map files: float64 bounds, -inf / +inf for no bound
 
     map_fields = {"low": -math.inf, "high": math.inf}
-
-    @classmethod
-    def map_summary(cls, count: int) -> str:
-        return f"{count:,} bounded"
+    map_fold = {"low": "max", "high": "min"}  # bounds intersect
+    map_words = ("bounded", "bounded")
 
     @classmethod
     def map_given(cls, pin: Pin) -> dict[str, Any]:
@@ -178,10 +179,6 @@ class Interval(Kind):
         return Pin(pattern, bounds=pair, **select)
 
     @classmethod
-    def map_merge(cls, where: Callable[[int], str], field: str, target: Tensor, at: Tensor, given: Tensor) -> None:
-        target.scatter_reduce_(0, at, given, reduce="amax" if field == "low" else "amin")  # intersect
-
-    @classmethod
     def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
         if "low" in merged and "high" in merged and bool((merged["low"] > merged["high"]).any()):
             at = int((merged["low"] > merged["high"]).to(torch.int8).argmax())
@@ -192,10 +189,6 @@ class Interval(Kind):
 
     # ------------------------------------------------------------------------------------
     # The restore kernel
-
-    @property
-    def elements(self) -> int:
-        return self.target.values.numel() // 2
 
     def _parts(self, tensor: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         view, positions, payload = self.target.part(tensor)

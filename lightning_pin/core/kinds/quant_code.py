@@ -31,7 +31,7 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds._common import coords as _coords
 from lightning_pin.core.kinds._common import first as _first
 from lightning_pin.core.kinds._common import is_int as _is_int
-from lightning_pin.core.kinds._common import merge_paired, merge_rounds, per_element, shared_positions, sort_with_index
+from lightning_pin.core.kinds._common import merge_paired, per_element, shared_positions, sort_with_index
 from lightning_pin.core.kinds.base import Expected, Kind, Reader, Unreadable
 from lightning_pin.core.sharding import Target, is_sharded
 
@@ -262,7 +262,10 @@ class QuantizedCode(Kind):
     #: per selection: the scales (compute dtype; empty for a named scale), the code's
     #: ``[bits, zero_point, signed, axis or -1]`` (int64) and the scale's name (UTF-8, uint8).
     payload_fields = ("stuck_at_zero", "stuck_at_one", "channel", "scale", "spec", "scale_name")
+    selection_fields = ("scale", "spec", "scale_name")
+    named_fields = {"scale": "scale_name"}  # a learned scale: stored beside the weight, by its name
     saved_owner = "the code on "
+    copy_words = "its codes dequantize to"
     mixed_reason = "a quantized code rewrites the whole element at every step, so the other pin would be undone; "
 
     # ------------------------------------------------------------------------------------
@@ -300,11 +303,7 @@ class QuantizedCode(Kind):
     # The plan
 
     @classmethod
-    def resolve(cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any]) -> None:
-        raise PinError(f"{pin!r}: a quantized code is resolved on the module (its scale may be a tensor of it)")
-
-    @classmethod
-    def resolve_in(
+    def resolve(
         cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any], module: nn.Module
     ) -> None:
         code, name, parameter = pin.code, selection.name, selection.parameter
@@ -395,7 +394,10 @@ class QuantizedCode(Kind):
                            f"{element} of {name!r} at 0 and at 1 at overlapping steps")
 
     @classmethod
-    def merge(cls, name: str, parameter: nn.Parameter, entries: Sequence[Selection]) -> QuantizedCode:
+    def merge(
+        cls, name: str, parameter: nn.Parameter, entries: Sequence[Selection],
+        captured: Sequence[Optional[Tensor]] = (),
+    ) -> QuantizedCode:
         if is_sharded(parameter):
             raise PinError(f"quantized codes on {name!r}, a sharded parameter (FSDP2), are not supported: its scale "
                            "would have to be gathered at every step; pin it under DDP or in one process")
@@ -419,22 +421,6 @@ class QuantizedCode(Kind):
     # The pin state
 
     @classmethod
-    def read_saved(
-        cls, index: Optional[Tensor], target: Any, explicit: bool, saved: Mapping[str, Any], at: str,
-        corrupt: Callable[[str], Exception],
-    ) -> SavedSelection:
-        from lightning_pin.core.kinds.base import read_field
-        from lightning_pin.core.state import SavedSelection
-
-        if target is not None or not explicit:
-            raise corrupt(f"{at}: a {cls.kind} selection holds no target and is explicit (it comes from the spec)")
-        shape = None if index is None else (index.numel(),)
-        payload = {f: read_field(saved, f, at, shape, corrupt) for f in ("stuck_at_zero", "stuck_at_one", "channel")}
-        payload.update((f, read_field(saved, f, at, None, corrupt)) for f in ("scale", "spec", "scale_name"))
-        cls.check_saved(payload, at, corrupt)
-        return SavedSelection(index, None, True, cls.kind, payload=payload)
-
-    @classmethod
     def check_saved(cls, payload: Mapping[str, Tensor], at: str, corrupt: Callable[[str], Exception]) -> None:
         spec, zero, one = payload["spec"], payload["stuck_at_zero"], payload["stuck_at_one"]
         if spec.dtype != torch.int64 or tuple(spec.shape) != (4,) or not 2 <= int(spec[0]) <= 16:
@@ -451,18 +437,6 @@ class QuantizedCode(Kind):
 
     # ------------------------------------------------------------------------------------
     # Stored tensors
-
-    @classmethod
-    def stored_bind(cls, saved: SavedSelection, tensors: Mapping[str, Tensor]) -> SavedSelection:
-        """A named scale is read from the artifact's own tensors (by its name)."""
-        name = bytes(saved.payload["scale_name"].tolist()).decode()
-        if not name or name not in tensors:
-            return saved
-        from lightning_pin.core.state import SavedSelection
-
-        payload = dict(saved.payload)
-        payload["scale"] = tensors[name].detach().reshape(-1)
-        return SavedSelection(saved.index, None, True, cls.kind, payload=payload)
 
     @classmethod
     def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
@@ -491,15 +465,13 @@ class QuantizedCode(Kind):
         off = held != flat
         return off, lambda i: _describe_code(codes, zero, one, held, bits, i)
 
-    @classmethod
-    def stored_dtype(cls, saved: SavedSelection) -> Optional[torch.dtype]:
-        return None
-
     # ------------------------------------------------------------------------------------
     # Fault-map files: the code-bit masks as int64 patterns (0: no stuck bit) and the code
 
     map_fields = {"code_stuck_at_zero": 0, "code_stuck_at_one": 0}
     map_bits = True
+    map_fold = {"code_stuck_at_zero": "or", "code_stuck_at_one": "or"}
+    map_words = ("with stuck code bits", "with stuck code bits")
 
     map_spec_fields = ("code", "code_scale", "code_scale_name")
 
@@ -534,10 +506,6 @@ class QuantizedCode(Kind):
         return {"code": QuantCode(bits, scale, zero_point, axis if has_axis else None, bool(signed))}
 
     @classmethod
-    def map_summary(cls, count: int) -> str:
-        return f"{count:,} with stuck code bits"
-
-    @classmethod
     def map_given(cls, pin: Pin) -> dict[str, Any]:
         return {"code_stuck_at_zero": pin.stuck_at_zero, "code_stuck_at_one": pin.stuck_at_one}
 
@@ -557,29 +525,12 @@ class QuantizedCode(Kind):
         return Pin(pattern, code=code, **masks, **select)
 
     @classmethod
-    def map_merge(cls, where: Callable[[int], str], field: str, target: Tensor, at: Tensor, given: Tensor) -> None:
-        merge_rounds(target, at, given, lambda rows, before, entries: before | entries)
-
-    @classmethod
     def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
         zero, one = merged.get("code_stuck_at_zero"), merged.get("code_stuck_at_one")
         if zero is not None and one is not None and bool((zero & one).any()):
             at = int((zero & one).ne(0).to(torch.int8).argmax())
             raise PinError(f"save_fault_map: {element(at)} has code bits {int(zero[at] & one[at]):#x} stuck at "
                            "zero and at one")
-
-    @classmethod
-    def word_rewrite(
-        cls, selection: Selection, word: torch.dtype, count: int
-    ) -> Optional[Callable[[Tensor], Tensor]]:
-        parameter = selection.parameter
-        kernel = cls.merge(selection.name, parameter, [selection])
-
-        def rewrite(old: Tensor) -> Tensor:
-            values = old.view(parameter.dtype).clone()
-            return kernel._held(values, values.device).view(old.dtype)
-
-        return rewrite
 
     # ------------------------------------------------------------------------------------
     # The restore kernel
@@ -591,10 +542,6 @@ class QuantizedCode(Kind):
         #: The fixed scales (compute dtype) or the module's named tensor (read at every restore).
         self.scale = scale
         self._compute = compute_dtype(target.parameter.dtype)
-
-    @property
-    def elements(self) -> int:
-        return self.target.values.numel() // 2
 
     def _scales(self, device: torch.device) -> Tensor:
         scale = self.scale.detach().reshape(-1).to(device=device, dtype=self._compute)
@@ -670,14 +617,6 @@ class QuantizedCode(Kind):
         held = dequantize(stick(codes, zero, one, code.bits, code.signed), s, code.zero_point, actual.dtype)
         off = held != actual
         return actual, off, lambda i: _describe_code(codes, zero, one, held, code.bits, i)
-
-    def refuse_copy(self, tensor: Tensor) -> Optional[str]:
-        parameter = self.target.parameter
-        if tensor.dtype != parameter.dtype:
-            return (f"verify: {self.name!r} is {tensor.dtype} here but its codes dequantize to {parameter.dtype}; "
-                    "verify a copy in the parameter's dtype")
-        return None
-
 
 def _describe_code(codes: Tensor, zero: Tensor, one: Tensor, held: Tensor, bits: int, i: int) -> str:
     """``"code 0x5a, stuck at 1: 0x01, stuck at 0: 0x40, wrong: 0x01; expected 0.25"`` for one element."""
