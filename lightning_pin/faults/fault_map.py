@@ -309,8 +309,8 @@ def _pins_from_fields(
             continue
         every = marked if every is None else every | marked
         if bool(marked.any()):
-            extra = each.map_spec_pin({k: v for k, v in spec.items() if SPEC_FIELDS[k] is each}, where)
-            pins.append(each.map_pin(pattern, fields, marked, {**select(marked), **extra}))
+            own = {k: v for k, v in spec.items() if SPEC_FIELDS[k] is each}
+            pins.append(each.map_pin(pattern, fields, marked, select(marked), own, where))
             parts.append(each.map_summary(int(marked.sum())))
     count = 0 if every is None else int(every.sum())
     return pins, f"{name}: {', '.join(parts) if parts else 'no fault'}", count
@@ -349,9 +349,9 @@ def _resolved_entries(
             flat = torch.arange(parameter.numel()) if selection.index is None else selection.index.cpu().long()
             coords = coordinates(flat, tuple(parameter.shape))
 
-            kind = kinds.of(selection.kind)
-            fields = kind.map_entries(selection, flat)  # one per element of `flat`
-            found.append((name, coords, fields, tuple(parameter.shape), kind.map_spec(rp.pin, selection)))
+            fields = kinds.of(selection.kind).map_entries(rp.pin, selection)  # one per element of `flat`
+            spec = {field: fields.pop(field) for field in list(fields) if field in SPEC_FIELDS}
+            found.append((name, coords, fields, tuple(parameter.shape), spec))
     return found
 
 
@@ -382,7 +382,8 @@ def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor], Optional[tup
     for field in ("indices", "mask", *(f for each in kinds.KINDS for f in each.pin_fields)):
         if isinstance(getattr(pin, field), (str, Path, Mapping)):
             raise PinError(f"save_fault_map: {pin!r}: {field} must be given in memory (tensors or numbers) to be saved")
-    given = kinds.for_pin(pin).map_given(pin)
+    given = kinds.for_pin(pin).map_entries(pin, None)
+    spec = {field: given.pop(field) for field in list(given) if field in SPEC_FIELDS}
     if pin.indices is not None:
         coords = torch.as_tensor(pin.indices).to(torch.int64)
         coords = coords.unsqueeze(1) if coords.ndim == 1 else coords
@@ -403,7 +404,7 @@ def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor], Optional[tup
         if raw is None:
             continue
         fields[field] = _per_element(pin, field, raw, coords, full)
-    return name, coords, fields, full, kinds.for_pin(pin).map_spec(pin, None)
+    return name, coords, fields, full, spec
 
 
 def _per_element(pin: Pin, field: str, raw: Any, coords: Tensor, full: Optional[tuple[int, ...]]) -> Tensor:

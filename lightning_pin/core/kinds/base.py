@@ -207,22 +207,29 @@ class Kind:
     # Fault-map files (lightning_pin.faults.fault_map): one entry per element and field
 
     @classmethod
-    def map_entries(cls, selection: Selection, flat: Tensor) -> dict[str, Tensor]:
-        """A resolved selection's entries by map field, one per element of ``flat``, on the CPU."""
-        return {field: selection.payload[field].detach().cpu().reshape(-1) for field in cls.map_fields}
-
-    @classmethod
-    def map_given(cls, pin: Pin) -> dict[str, Any]:
-        """The pin's own entries by map field, to save it without a module (``None``: not given).
+    def map_entries(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Any]:
+        """``pin``'s entries by map field: with ``selection`` (the pin resolved on a module) one per
+        selected element, on the CPU; without, the pin's own fields, to save it without a module
+        (``None``: not given). Entries of :attr:`map_spec_fields` are per parameter (a code's spec).
 
         Raises:
             PinError: the pin cannot be saved without a module.
         """
-        return {field: getattr(pin, field) for field in cls.map_fields}
+        if selection is None:
+            return {field: getattr(pin, field) for field in cls.map_fields}
+        return {field: selection.payload[field].detach().cpu().reshape(-1) for field in cls.map_fields}
 
     @classmethod
-    def map_pin(cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any]) -> Pin:
-        """The pin for the ``marked`` elements of a map (``select``: the selection fields)."""
+    def map_pin(
+        cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any],
+        spec: Mapping[str, Tensor], where: str,
+    ) -> Pin:
+        """The pin for the ``marked`` elements of a map (``select``: the selection fields; ``spec``:
+        the parameter's entries of :attr:`map_spec_fields`).
+
+        Raises:
+            PinError: per-parameter entries no saved pin gives, naming ``where``.
+        """
         from lightning_pin.core.spec import Pin
 
         return Pin(pattern, **{f: fields[f][marked] for f in cls.map_fields if f in fields}, **select)
@@ -416,21 +423,6 @@ class Kind:
                 return entries
 
             merge_rounds(target, at, given, agree)
-
-    @classmethod
-    def map_spec(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Tensor]:
-        """The per-parameter entries (:attr:`map_spec_fields`) of ``pin`` (resolved as ``selection``
-        when saved with a module): those of :meth:`map_entries` / :meth:`map_given` that are spec fields."""
-        return {}
-
-    @classmethod
-    def map_spec_pin(cls, spec: Mapping[str, Tensor], where: str) -> dict[str, Any]:
-        """The :class:`~lightning_pin.Pin` fields a map's per-parameter entries ``spec`` give.
-
-        Raises:
-            PinError: entries no saved pin gives, naming ``where``.
-        """
-        return {}
 
     # ------------------------------------------------------------------------------------
     # The restore kernel (an instance: one parameter's elements under the active pins)

@@ -160,15 +160,16 @@ class Interval(Kind):
     map_words = ("bounded", "bounded")
 
     @classmethod
-    def map_given(cls, pin: Pin) -> dict[str, Any]:
-        return dict(zip(("low", "high"), pin.bounds or (None, None)))
-
-    @classmethod
-    def map_entries(cls, selection: Selection, flat: Tensor) -> dict[str, Tensor]:
+    def map_entries(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Any]:
+        if selection is None:
+            return dict(zip(("low", "high"), pin.bounds or (None, None)))
         return {f: selection.payload[f].detach().cpu().reshape(-1).to(torch.float64) for f in cls.map_fields}
 
     @classmethod
-    def map_pin(cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any]) -> Pin:
+    def map_pin(
+        cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any],
+        spec: Mapping[str, Tensor], where: str,
+    ) -> Pin:
         from lightning_pin.core.spec import Pin
 
         count = int(marked.sum())

@@ -476,22 +476,34 @@ class QuantizedCode(Kind):
     map_spec_fields = ("code", "code_scale", "code_scale_name")
 
     @classmethod
-    def map_spec(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Tensor]:
-        """``code``: int64 ``[bits, zero_point, signed, has axis, axis]``; ``code_scale`` (float64) or
+    def map_entries(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Any]:
+        """The code-bit masks (``code_stuck_at_zero`` / ``code_stuck_at_one``, int64) and, per parameter,
+        ``code``: int64 ``[bits, zero_point, signed, has axis, axis]``; ``code_scale`` (float64) or
         ``code_scale_name`` (UTF-8 bytes, uint8) for a learned scale."""
-        code = pin.code if selection is None else selection.context["code"]
-        spec = {"code": torch.tensor([code.bits, code.zero_point, int(code.signed), int(code.axis is not None),
-                                      0 if code.axis is None else code.axis], dtype=torch.int64)}
-        if code.named:
-            spec["code_scale_name"] = torch.tensor(list(code.scale.encode()), dtype=torch.uint8)
+        if selection is None:
+            code = pin.code
+            entries: dict[str, Any] = {"code_stuck_at_zero": pin.stuck_at_zero, "code_stuck_at_one": pin.stuck_at_one}
         else:
-            spec["code_scale"] = torch.as_tensor(code.scale).detach().cpu().reshape(-1).to(torch.float64)
-        return spec
+            code = selection.context["code"]
+            entries = {f"code_{f}": selection.payload[f].detach().cpu().reshape(-1).to(torch.int64)
+                       for f in ("stuck_at_zero", "stuck_at_one")}
+        entries["code"] = torch.tensor([code.bits, code.zero_point, int(code.signed), int(code.axis is not None),
+                                        0 if code.axis is None else code.axis], dtype=torch.int64)
+        if code.named:
+            entries["code_scale_name"] = torch.tensor(list(code.scale.encode()), dtype=torch.uint8)
+        else:
+            entries["code_scale"] = torch.as_tensor(code.scale).detach().cpu().reshape(-1).to(torch.float64)
+        return entries
 
     @classmethod
-    def map_spec_pin(cls, spec: Mapping[str, Tensor], where: str) -> dict[str, Any]:
+    def map_pin(
+        cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any],
+        spec: Mapping[str, Tensor], where: str,
+    ) -> Pin:
+        from lightning_pin.core.spec import Pin
+
         if not spec:
-            return {}
+            raise PinError(f"load_fault_map: {pattern!r} has stuck code bits but the file holds no code for it")
         raw = spec.get("code")
         if raw is None or raw.dtype != torch.int64 or tuple(raw.shape) != (5,):
             raise PinError(f"{where}: a code must be an int64 tensor [bits, zero_point, signed, has axis, axis]")
@@ -503,24 +515,7 @@ class QuantizedCode(Kind):
             scale = float(values[0]) if values.numel() == 1 else values.clone()
         else:
             raise PinError(f"{where}: a code without its scale (code_scale, or code_scale_name for a learned one)")
-        return {"code": QuantCode(bits, scale, zero_point, axis if has_axis else None, bool(signed))}
-
-    @classmethod
-    def map_given(cls, pin: Pin) -> dict[str, Any]:
-        return {"code_stuck_at_zero": pin.stuck_at_zero, "code_stuck_at_one": pin.stuck_at_one}
-
-    @classmethod
-    def map_entries(cls, selection: Selection, flat: Tensor) -> dict[str, Tensor]:
-        return {f"code_{f}": selection.payload[f].detach().cpu().reshape(-1).to(torch.int64)
-                for f in ("stuck_at_zero", "stuck_at_one")}
-
-    @classmethod
-    def map_pin(cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any]) -> Pin:
-        from lightning_pin.core.spec import Pin
-
-        code = select.pop("code", None)
-        if code is None:
-            raise PinError(f"load_fault_map: {pattern!r} has stuck code bits but the file holds no code for it")
+        code = QuantCode(bits, scale, zero_point, axis if has_axis else None, bool(signed))
         masks = {f: fields[f"code_{f}"][marked] for f in ("stuck_at_zero", "stuck_at_one") if f"code_{f}" in fields}
         return Pin(pattern, code=code, **masks, **select)
 

@@ -218,7 +218,9 @@ class StuckBits(Kind):
     map_words = ("with stuck bits", "with stuck bits")  # elements
 
     @classmethod
-    def map_entries(cls, selection: Selection, flat: Tensor) -> dict[str, Tensor]:
+    def map_entries(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Any]:
+        if selection is None:
+            return {field: getattr(pin, field) for field in cls.map_fields}
         return {f: unsigned(selection.payload[f].detach().cpu().reshape(-1)) for f in cls.map_fields}
 
     @classmethod

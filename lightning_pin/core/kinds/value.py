@@ -137,19 +137,18 @@ class ExactValue(Kind):
         return differs(values, target), lambda i: target[i].item()
 
     @classmethod
-    def map_given(cls, pin: Pin) -> dict[str, Any]:
-        if pin.value is None:
-            raise PinError(
-                f"save_fault_map: {pin!r} has no value (value=None keeps what the weights hold when it activates): "
-                "save_fault_map(pins, path, module=model) saves what they hold now"
-            )
-        return {"value": pin.value}
-
-    @classmethod
-    def map_entries(cls, selection: Selection, flat: Tensor) -> dict[str, Tensor]:
+    def map_entries(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Any]:
+        if selection is None:
+            if pin.value is None:
+                raise PinError(
+                    f"save_fault_map: {pin!r} has no value (value=None keeps what the weights hold when it activates): "
+                    "save_fault_map(pins, path, module=model) saves what they hold now"
+                )
+            return {"value": pin.value}
         values, parameter = selection.values, selection.parameter.detach()
         if values is None:  # value=None: the elements are stuck at what they hold now
-            values = parameter.reshape(-1)[flat.to(parameter.device)]
+            flat = parameter.reshape(-1)
+            values = flat if selection.index is None else flat[selection.index.to(parameter.device).long()]
         return {"value": values.detach().cpu().reshape(-1)}
 
     def apply(self, tensor: Tensor) -> None:
