@@ -132,6 +132,8 @@ class Kind:
     #: The kind's per-parameter entries in a fault-map file (``name:<field>``, not one per element:
     #: a quantized code's spec and scales).
     map_spec_fields: ClassVar[tuple[str, ...]] = ()
+    #: What two ``"or"`` map fields hold, in a message: "bits", "code bits".
+    bit_words: ClassVar[str] = "bits"
     #: ``count`` elements of the kind in a map's summary line, singular and plural: "3 stuck values".
     map_words: ClassVar[tuple[str, str]] = ("", "")
 
@@ -233,10 +235,6 @@ class Kind:
         from lightning_pin.core.spec import Pin
 
         return Pin(pattern, **{f: fields[f][marked] for f in cls.map_fields if f in fields}, **select)
-
-    @classmethod
-    def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
-        """Refuse merged entries that cannot hold together (``element(row)``: its words)."""
 
     # ====================================================================================
     # Generic: implemented once, from the kind's data and the methods above (not overridden)
@@ -366,6 +364,30 @@ class Kind:
             return values.view(old.dtype)
 
         return rewrite
+
+    @classmethod
+    def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
+        """Refuse merged map entries that cannot hold together (``element(row)``: its words): bits
+        of the two ``"or"`` fields (stuck at zero, stuck at one) stuck both ways, or a ``"max"``
+        field (a lower bound) above its ``"min"`` field.
+
+        Raises:
+            PinError: naming the first such element.
+        """
+        folds = {fold: field for field, fold in cls.map_fold.items() if field in merged}
+        ors = [field for field, fold in cls.map_fold.items() if fold == "or" and field in merged]
+        if len(ors) == 2:
+            zero, one = merged[ors[0]], merged[ors[1]]
+            if bool((zero & one).any()):
+                at = int((zero & one).ne(0).to(torch.int8).argmax())
+                raise PinError(f"save_fault_map: {element(at)} has {cls.bit_words} {int(zero[at] & one[at]):#x} stuck "
+                               "at zero and at one")
+        if "max" in folds and "min" in folds:
+            low, high = merged[folds["max"]], merged[folds["min"]]
+            if bool((low > high).any()):
+                at = int((low > high).to(torch.int8).argmax())
+                raise PinError(f"save_fault_map: the {cls.words} of {element(at)} do not overlap "
+                               f"({low[at].item()} > {high[at].item()})")
 
     @classmethod
     def show_example(cls, coords: tuple[int, ...], actual: Any, expected: Any) -> str:

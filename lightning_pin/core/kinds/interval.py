@@ -179,15 +179,6 @@ class Interval(Kind):
         )
         return Pin(pattern, bounds=pair, **select)
 
-    @classmethod
-    def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
-        if "low" in merged and "high" in merged and bool((merged["low"] > merged["high"]).any()):
-            at = int((merged["low"] > merged["high"]).to(torch.int8).argmax())
-            raise PinError(
-                f"save_fault_map: the bounds of {element(at)} do not overlap "
-                f"({merged['low'][at].item()} > {merged['high'][at].item()})"
-            )
-
     # ------------------------------------------------------------------------------------
     # The restore kernel
 

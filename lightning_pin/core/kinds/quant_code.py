@@ -472,6 +472,7 @@ class QuantizedCode(Kind):
     map_bits = True
     map_fold = {"code_stuck_at_zero": "or", "code_stuck_at_one": "or"}
     map_words = ("with stuck code bits", "with stuck code bits")
+    bit_words = "code bits"
 
     map_spec_fields = ("code", "code_scale", "code_scale_name")
 
@@ -518,14 +519,6 @@ class QuantizedCode(Kind):
         code = QuantCode(bits, scale, zero_point, axis if has_axis else None, bool(signed))
         masks = {f: fields[f"code_{f}"][marked] for f in ("stuck_at_zero", "stuck_at_one") if f"code_{f}" in fields}
         return Pin(pattern, code=code, **masks, **select)
-
-    @classmethod
-    def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
-        zero, one = merged.get("code_stuck_at_zero"), merged.get("code_stuck_at_one")
-        if zero is not None and one is not None and bool((zero & one).any()):
-            at = int((zero & one).ne(0).to(torch.int8).argmax())
-            raise PinError(f"save_fault_map: {element(at)} has code bits {int(zero[at] & one[at]):#x} stuck at "
-                           "zero and at one")
 
     # ------------------------------------------------------------------------------------
     # The restore kernel

@@ -223,15 +223,6 @@ class StuckBits(Kind):
             return {field: getattr(pin, field) for field in cls.map_fields}
         return {f: unsigned(selection.payload[f].detach().cpu().reshape(-1)) for f in cls.map_fields}
 
-    @classmethod
-    def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
-        zero, one = merged.get("stuck_at_zero"), merged.get("stuck_at_one")
-        if zero is not None and one is not None and bool((zero & one).any()):
-            at = int((zero & one).ne(0).to(torch.int8).argmax())
-            raise PinError(
-                f"save_fault_map: {element(at)} has bits {int(zero[at] & one[at]):#x} stuck at zero and at one"
-            )
-
     # ------------------------------------------------------------------------------------
     # The restore kernel
 
