@@ -8,7 +8,9 @@ one element, and its words in summaries and errors. The engine, the plan, the st
 fault maps and the reporting ask the kind of a selection (:func:`of`) and never test a kind's
 name.
 
-A new kind is one module here (a subclass of ``Kind``) plus one line in :data:`KINDS`.
+A new kind is one module (a subclass of ``Kind``) plus one registration: a line in :data:`KINDS`
+for the library's own, :func:`register` for a kind defined elsewhere (its fields then travel in
+``Pin(..., kind_args={...})``).
 
 Kinds that act on module *outputs* in every forward rather than on weights after the step (stuck
 neurons, :mod:`~lightning_pin.core.kinds.neuron`) are listed in :data:`OUTPUT_KINDS`: each names
@@ -112,9 +114,46 @@ def for_pin(pin: Pin) -> type[Kind]:
 
 
 def check_spec(pin: Pin) -> None:
-    """Every kind's checks of ``pin``'s fields, in registry order (at construction)."""
+    """Every kind's checks of ``pin``'s fields, in registry order (at construction).
+
+    Raises:
+        PinError: ``kind_args`` that is not a dict of the fields of registered kinds, or what a kind refuses.
+    """
+    if pin.kind_args is not None:
+        from collections.abc import Mapping
+
+        own = sorted(f for kind in KINDS for f in kind.pin_fields if f not in type(pin).__dataclass_fields__)
+        if not isinstance(pin.kind_args, Mapping) or any(key not in own for key in pin.kind_args):
+            raise PinError(f"{pin!r}: kind_args must be a dict of the fields of registered kinds ({own or 'none is'}"
+                           f" registered: lightning_pin.core.kinds.register), got {pin.kind_args!r}")
     for kind in KINDS:
         kind.check_spec(pin)
+
+
+def register(kind: type[Kind]) -> type[Kind]:
+    """Add ``kind`` (a subclass of :class:`Kind` defined outside the library) to the registry: pins
+    that give its :attr:`~Kind.pin_fields` in ``kind_args`` are of it from then on (it comes after
+    the library's kinds). Returns ``kind``, so it can decorate the class.
+
+    Raises:
+        PinError: ``kind`` is not a Kind, or its name or a field is taken.
+    """
+    global KINDS, LATER_FIELDS
+    from lightning_pin.core.spec import Pin
+
+    if not (isinstance(kind, type) and issubclass(kind, Kind)):
+        raise PinError(f"register: {kind!r} is not a subclass of lightning_pin.core.kinds.Kind")
+    if BY_NAME.get(kind.kind, kind) is not kind:
+        raise PinError(f"register: the kind name {kind.kind!r} is taken by {BY_NAME[kind.kind].__name__}")
+    taken = {f for each in KINDS if each is not kind for f in each.pin_fields} | set(Pin.__dataclass_fields__)
+    if not kind.pin_fields or taken & set(kind.pin_fields):
+        raise PinError(f"register: {kind.__name__} needs pin fields of its own (given {kind.pin_fields}; taken: "
+                       f"{sorted(taken & set(kind.pin_fields))})")
+    if kind not in KINDS:
+        KINDS = (*KINDS, kind)
+        BY_NAME[kind.kind] = kind
+        LATER_FIELDS = (*LATER_FIELDS, *kind.pin_fields)
+    return kind
 
 
 def check_conflict(first: Pin, a: Any, second: Pin, b: Any, name: str) -> None:
@@ -146,5 +185,5 @@ def check_conflict(first: Pin, a: Any, second: Pin, b: Any, name: str) -> None:
 __all__ = [
     "BY_NAME", "DEFAULT", "KINDS", "LATER_FIELDS", "OUTPUT_KINDS", "ExactValue", "Interval", "Kind", "NeuronKind",
     "QuantCode", "QuantizedCode", "StuckBits", "Unreadable",
-    "check_conflict", "check_spec", "for_pin", "of", "output_kind", "payload_field", "split",
+    "check_conflict", "check_spec", "for_pin", "of", "output_kind", "payload_field", "register", "split",
 ]

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from lightning_pin.core.spec import Pin
     from lightning_pin.core.state import SavedSelection
 
-__all__ = ["Expected", "Kind", "Reader", "Unreadable", "read_field", "show"]
+__all__ = ["Expected", "HOOKS", "Kind", "Reader", "Unreadable", "pin_field", "read_field", "show"]
 
 
 #: ``read(field, source)``: ``source`` (a Pin field) for the parameter being resolved: a file it
@@ -42,6 +42,27 @@ __all__ = ["Expected", "Kind", "Reader", "Unreadable", "read_field", "show"]
 Reader = Callable[[str, Any], Any]
 #: ``expected(position)``: what element ``position`` of a comparison must hold (a number, or words).
 Expected = Callable[[int], "float | str"]
+
+
+#: What a kind implements (it may leave out those with a default: check_spec, check_fits,
+#: check_overlap, check_saved, stored_off, map_entries, map_pin, kernel). Everything else a kind is
+#: asked is implemented once in :class:`Kind` from its data (class attributes).
+HOOKS = (
+    # the spec and the plan
+    "check_spec", "resolve", "describe", "check_fits", "check_overlap", "merge",
+    # the saved form: the pin state, check / diff on stored tensors, fault-map files
+    "check_saved", "stored_off", "map_entries", "map_pin",
+    # the kernel (an instance)
+    "apply", "kernel", "drift", "off",
+)
+
+
+def pin_field(pin: Pin, field: str) -> Any:
+    """``pin``'s field ``field``: an argument of :class:`~lightning_pin.Pin`, or an entry of its
+    ``kind_args`` for a kind registered outside the library (None: not given)."""
+    if field in type(pin).__dataclass_fields__:
+        return getattr(pin, field)
+    return (pin.kind_args or {}).get(field)
 
 
 class Unreadable(Exception):
@@ -218,7 +239,7 @@ class Kind:
             PinError: the pin cannot be saved without a module.
         """
         if selection is None:
-            return {field: getattr(pin, field) for field in cls.map_fields}
+            return {field: pin_field(pin, field) for field in cls.map_fields}
         return {field: selection.payload[field].detach().cpu().reshape(-1) for field in cls.map_fields}
 
     @classmethod
@@ -234,7 +255,10 @@ class Kind:
         """
         from lightning_pin.core.spec import Pin
 
-        return Pin(pattern, **{f: fields[f][marked] for f in cls.map_fields if f in fields}, **select)
+        given = {f: fields[f][marked] for f in cls.map_fields if f in fields}
+        own = {f: v for f, v in given.items() if f not in Pin.__dataclass_fields__}  # a registered kind's
+        extra = {"kind_args": own} if own else {}
+        return Pin(pattern, **{f: v for f, v in given.items() if f not in own}, **extra, **select)
 
     # ====================================================================================
     # Generic: implemented once, from the kind's data and the methods above (not overridden)
@@ -242,7 +266,7 @@ class Kind:
     @classmethod
     def claims(cls, pin: Pin) -> bool:
         """Whether ``pin`` is of this kind: it gives one of the kind's fields."""
-        return any(getattr(pin, field) is not None for field in cls.pin_fields)
+        return any(pin_field(pin, field) is not None for field in cls.pin_fields)
 
     @classmethod
     def saved(cls, selection: Selection, captured: Optional[Tensor]) -> SavedSelection:
