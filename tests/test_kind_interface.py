@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from helpers import TinyNet, make_loader, trainer
-from lightning_pin import Pin, PinCallback, PinError, pin
+from lightning_pin import Pin, PinCallback, PinError, QuantCode, pin
 from lightning_pin.core import kinds
 from lightning_pin.core.kinds.base import HOOKS, Kind
 from lightning_pin.faults import forced_patch, load_fault_map, save_fault_map
@@ -135,3 +135,37 @@ def test_a_forced_fault_writes_the_grid_and_a_fault_map_round_trips(grid, tmp_pa
     path = save_fault_map(pins, tmp_path / "chip.pt", module=model)
     (loaded,) = load_fault_map(path)
     assert loaded.kind == "grid" and loaded.kind_args["grid"].tolist() == [STEP, STEP]
+
+
+def test_the_generic_map_merge_speaks_each_kinds_words(tmp_path):
+    # "same" fields (values) refuse two different entries; "or" fields (code bits) bits stuck both ways.
+    values = [Pin("w", indices=[[0]], value=1.0), Pin("w", indices=[[0]], value=2.0)]
+    with pytest.raises(PinError, match=r"element \(0,\) of 'w' is given two different stuck values"):
+        save_fault_map(values, tmp_path / "a.pt")
+    code = QuantCode(bits=8, scale=0.5)
+    codes = [Pin("w", indices=[[1]], code=code, stuck_at_zero=0x3), Pin("w", indices=[[1]], code=code, stuck_at_one=0x1)]
+    with pytest.raises(PinError, match=r"element \(1,\) of 'w' has code bits 0x1 stuck at zero and at one"):
+        save_fault_map(codes, tmp_path / "b.pt")
+    merged = save_fault_map([Pin("w", indices=[[0]], value=1.0), Pin("w", indices=[[0], [2]], value=[1.0, 3.0])],
+                            tmp_path / "c.pt")
+    assert torch.load(merged)["w:value"].tolist() == [1.0, 3.0]
+
+
+@pytest.mark.parametrize("spec", [dict(value=0.75), dict(stuck_at_zero=0x80000000, stuck_at_one=0x00400000),
+                                  dict(code=QuantCode(bits=8, scale=0.01), stuck_at_one=0x41)], ids=str)
+def test_a_forced_fault_writes_what_the_kernel_writes(spec):
+    # word_rewrite is one generic path for every kind: the kernel's apply on the stored words.
+    torch.manual_seed(3)
+    model = nn.Linear(6, 5)
+    pins = [Pin("weight", fraction=0.4, seed=1, **spec)]
+    expected = model.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pin(model, opt, pins) as handle:
+        forced = model.weight.detach().clone()  # pin() writes the pins when they activate
+        (selection,) = handle.engine.plan.pins[0].selections.values()
+    model.weight.data.copy_(expected)
+    with forced_patch(model, pins):
+        assert torch.equal(model.weight.detach().view(torch.int32), forced.view(torch.int32))
+        assert not torch.equal(forced, expected)
+    assert torch.equal(model.weight.detach(), expected)
+    assert selection.index is not None

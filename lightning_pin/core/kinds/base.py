@@ -240,7 +240,16 @@ class Kind:
         """
         if selection is None:
             return {field: pin_field(pin, field) for field in cls.map_fields}
-        return {field: selection.payload[field].detach().cpu().reshape(-1) for field in cls.map_fields}
+        entries = {}
+        for field in cls.map_fields:
+            tensor = selection.payload[field].detach().cpu().reshape(-1)
+            if cls.map_bits and tensor.dtype in (torch.int16, torch.int32):
+                # Bit masks are held in the signed integer of the word's width: the map stores the unsigned pattern.
+                tensor = tensor.to(torch.int64) & ((1 << (8 * tensor.element_size())) - 1)
+            elif cls.map_bits or not cls.map_keeps_dtype:
+                tensor = tensor.to(torch.int64 if cls.map_bits else torch.float64)
+            entries[field] = tensor
+        return entries
 
     @classmethod
     def map_pin(

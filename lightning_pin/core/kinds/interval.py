@@ -163,7 +163,7 @@ class Interval(Kind):
     def map_entries(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Any]:
         if selection is None:
             return dict(zip(("low", "high"), pin.bounds or (None, None)))
-        return {f: selection.payload[f].detach().cpu().reshape(-1).to(torch.float64) for f in cls.map_fields}
+        return super().map_entries(pin, selection)  # float64
 
     @classmethod
     def map_pin(

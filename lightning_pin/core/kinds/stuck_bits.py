@@ -217,12 +217,6 @@ class StuckBits(Kind):
     map_fold = {"stuck_at_zero": "or", "stuck_at_one": "or"}
     map_words = ("with stuck bits", "with stuck bits")  # elements
 
-    @classmethod
-    def map_entries(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Any]:
-        if selection is None:
-            return {field: getattr(pin, field) for field in cls.map_fields}
-        return {f: unsigned(selection.payload[f].detach().cpu().reshape(-1)) for f in cls.map_fields}
-
     # ------------------------------------------------------------------------------------
     # The restore kernel
 
