@@ -143,7 +143,8 @@ def test_the_generic_map_merge_speaks_each_kinds_words(tmp_path):
     with pytest.raises(PinError, match=r"element \(0,\) of 'w' is given two different stuck values"):
         save_fault_map(values, tmp_path / "a.pt")
     code = QuantCode(bits=8, scale=0.5)
-    codes = [Pin("w", indices=[[1]], code=code, stuck_at_zero=0x3), Pin("w", indices=[[1]], code=code, stuck_at_one=0x1)]
+    codes = [Pin("w", indices=[[1]], code=code, stuck_at_zero=0x3),
+             Pin("w", indices=[[1]], code=code, stuck_at_one=0x1)]
     with pytest.raises(PinError, match=r"element \(1,\) of 'w' has code bits 0x1 stuck at zero and at one"):
         save_fault_map(codes, tmp_path / "b.pt")
     merged = save_fault_map([Pin("w", indices=[[0]], value=1.0), Pin("w", indices=[[0], [2]], value=[1.0, 3.0])],
