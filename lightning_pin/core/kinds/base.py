@@ -3,8 +3,9 @@
 A kind is one class (one module of :mod:`lightning_pin.core.kinds`). Its class methods say what
 the kind means wherever a pin of it goes: which :class:`~lightning_pin.Pin` fields it reads and
 their checks (at construction), how those fields resolve on a parameter into a per-element
-payload, the summary's words, its conflicts with other pins on one element, its saved form in
-the pin state, and how a stored tensor (a checkpoint, an export) is compared with it. An
+payload, the summary's words, its conflicts with other pins on one element. Its saved form (the
+pin state, a stored tensor in a checkpoint or an export, a fault map, a forced fault) is read
+through one generic protocol written here from the kind's data. An
 instance is the restore kernel of one parameter's elements under active pins of the kind: a
 *projection* onto the set the pins allow, sync-free, with :meth:`Kind.drift` and
 :meth:`Kind.off` for the monitor and ``verify()``.
@@ -93,8 +94,8 @@ class Kind:
       the kind can give it by :meth:`check_saved`; a stored tensor is checked by :meth:`stored_off`
       (by default: :meth:`off` of the kernel merged from the saved form) and a forced fault writes
       :meth:`apply`'s words (see :meth:`word_rewrite`);
-    - fault-map files: :meth:`map_entries`, :meth:`map_pin` and :meth:`map_check` (by default read
-      from :attr:`map_fields`).
+    - fault-map files: :meth:`map_entries` and :meth:`map_pin` (by default the :attr:`map_fields` of
+      the payload); how two pins' entries merge and what cannot hold together follow :attr:`map_fold`.
 
     An instance holds a :class:`~lightning_pin.core.sharding.Target`: the merged elements of one
     parameter and a per-element payload, so the kernels are index based, sync-free and work on
