@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pin import Pin, PinCallback
 from lightning_pin.core.plan import fraction_indices, resolve
+from lightning_pin.core.kinds.value import _LAYOUTS as _VALUE_LAYOUTS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,15 +352,17 @@ def pin_bytes(callback: PinCallback) -> tuple[int, int]:
     for targets in engine.captured.values():
         for tensor in targets.values():
             stored[id(tensor)] = tensor.numel() * tensor.element_size()
-    for targets in engine._targets.values():
+    for _, targets in engine._values.values():  # the value kernels' merged targets, per set of pins
         for target in targets:
             for tensor in (target.index, target.values, *target._by_strides.values()):
                 if tensor is not None:
                     stored[id(tensor)] = tensor.numel() * tensor.element_size()
-    for layout in getattr(engine, "_layouts", {}).values():  # merges of overlapping pins (none here)
-        for tensor in (layout.index, layout.take):
-            if tensor is not None:
-                stored[id(tensor)] = tensor.numel() * tensor.element_size()
+    for rp in engine.plan.pins:  # merge layouts of overlapping pins, kept with their selections (none here)
+        for selection in rp.selections.values():
+            for layout in _VALUE_LAYOUTS.get(selection, {}).values():
+                for tensor in (layout.index, layout.take):
+                    if tensor is not None:
+                        stored[id(tensor)] = tensor.numel() * tensor.element_size()
     return sum(stored.values()), pinned
 
 
@@ -367,7 +370,7 @@ def step_buffer_bytes(callback: PinCallback) -> int:
     """Bytes the steps keep on top of :func:`pin_bytes`: the int64 copies of int32 indices that the
     index kernels take (made once, for targets of at most ``WIDE_LIMIT`` elements)."""
     stored: dict[int, int] = {}
-    for targets in callback.engine._targets.values():
+    for _, targets in callback.engine._values.values():
         for target in targets:
             wide = getattr(target, "_wide", None)
             if wide is not None and wide is not target.index:

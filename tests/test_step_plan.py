@@ -33,8 +33,6 @@ def _engine(spec: dict, fraction: float | None, dtype: torch.dtype = torch.float
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("spec", list(SPECS))
 def test_kernels_write_the_bits_apply_writes(spec, fraction, dtype):
-    if spec == "value" and fraction is None:
-        pytest.skip("a whole tensor's value is written by the engine's foreach copy, not a kernel")
     if "code" in spec and dtype == torch.bfloat16:
         dtype = torch.float16
     given = SPECS[spec]

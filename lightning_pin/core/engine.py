@@ -28,7 +28,6 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import PinPlan, Selection, call_when
-from lightning_pin.core.layouts import _Layout
 from lightning_pin.core.parking import PARKED_VALUE, StatisticsParking
 from lightning_pin.core import kinds
 from lightning_pin.core.kinds import ExactValue, Interval, StuckBits
@@ -138,14 +137,16 @@ class _StepPlan:
     version: int
     #: The optimizer's param-group sizes it was built for (fine-tuning adds groups mid-training).
     layout: tuple[int, ...]
-    #: The merged value targets and fault projections on the optimizer's parameters.
+    #: The merged targets of the frozen kind (values) and the kernels of the others on the
+    #: optimizer's parameters.
     owned: list[Target]
     faults: list[Projection]
     #: Pinned elements they hold (from shapes: no sync).
     elements: int
     #: The whole-tensor value targets among ``owned`` (their gradients are dropped before the step).
     wholes: list[Target]
-    #: The restore of every element target and fault projection, one call each, constants bound.
+    #: The restore of every kernel, one call each with its constants bound (a step with whole
+    #: tensors of the frozen kind takes the general path: see PinEngine.restore).
     kernels: list[Callable[[], None]]
 
 
@@ -175,9 +176,9 @@ class PinEngine:
         self.last_step_active: frozenset[int] | None = None
         #: Targets captured at activation for pins with ``value=None``: pin id -> name -> values.
         self.captured: dict[int, dict[str, Tensor]] = {}
-        self._targets: dict[frozenset[int], list[Target]] = {}
-        # Merge layouts by parameter and entries (see _merge): they outlive captured values.
-        self._layouts: dict[tuple[str, tuple[tuple[int, bool], ...]], _Layout] = {}
+        # The frozen kind's merged kernels (values) by set of pins, and their targets: rebuilt when a
+        # pin captures new targets (see _forget); other kinds' kernels (_faults) are not.
+        self._values: dict[frozenset[int], tuple[list[Projection], list[Target]]] = {}
         #: Keep the statistics of pinned elements on torch's fast path (see park_statistics);
         #: False keeps them at zero as engines before parking did.
         self.park = True
@@ -335,8 +336,8 @@ class PinEngine:
         return kinds.for_pin(self.plan.pins[pin_id].pin).frozen
 
     def _forget(self, pin_id: int) -> None:
-        for key in [k for k in self._targets if pin_id in k]:
-            del self._targets[key]
+        for key in [k for k in self._values if pin_id in k]:
+            del self._values[key]
         self._grad_masks = None
         self._version += 1
 
@@ -344,62 +345,51 @@ class PinEngine:
     # Targets
 
     def targets(self, pin_ids: Iterable[int] | None = None) -> list[Target]:
-        """Per parameter, the merged targets of ``pin_ids`` (default: the active pins).
+        """Per parameter, the merged targets of the frozen kind's pins among ``pin_ids`` (default:
+        the active pins): the :class:`~lightning_pin.core.sharding.Target` of each value kernel,
+        whose elements' gradients are masked and whose optimizer statistics are parked."""
+        return self._frozen_kernels(self.active if pin_ids is None else frozenset(pin_ids))[1]
 
-        An explicit value beats a captured one on the same element (the plan has already
-        rejected two different explicit values that can be active together).
-        """
-        key = self.active if pin_ids is None else frozenset(pin_ids)
-        if key not in self._targets:
-            self._targets[key] = self._merge(key)
-        return self._targets[key]
+    def _frozen_kernels(self, key: frozenset[int]) -> tuple[list[Projection], list[Target]]:
+        found = self._values.get(key)
+        if found is None:
+            kernels = self._merged(key, frozen=True)
+            found = self._values[key] = (kernels, [kernel.target for kernel in kernels])
+        return found
 
-    def _merge(self, pin_ids: frozenset[int]) -> list[Target]:
-        # Lowest priority first: captured values, then explicit ones; later entries win.
-        parts: dict[str, list[tuple[int, bool, Tensor | None, Tensor]]] = {}
-        for explicit in (False, True):
-            for pin_id in sorted(pin_ids):
-                for name, selection in self.plan.pins[pin_id].selections.items():
-                    if not _frozen(selection):
-                        continue  # held by its kind's projection (see fault_projections)
-                    values = selection.values if explicit else self.captured.get(pin_id, {}).get(name)
-                    if (selection.values is not None) == explicit and values is not None:
-                        parts.setdefault(name, []).append((pin_id, explicit, selection.index, values))
+    def _merged(self, key: frozenset[int], frozen: bool) -> list[Projection]:
+        """One kernel per parameter and kind for the pins ``key`` of frozen kinds (or of the others):
+        each kind merges its selections, in pin order, with what their pins captured."""
+        groups: dict[tuple[str, str], tuple[list[Selection], list[Optional[Tensor]]]] = {}
+        for pin_id in sorted(key):
+            captured = self.captured.get(pin_id, {})
+            for name, selection in self.plan.pins[pin_id].selections.items():
+                if _frozen(selection) == frozen:
+                    entries, held = groups.setdefault((name, selection.kind), ([], []))
+                    entries.append(selection)
+                    held.append(captured.get(name))
         merged = []
-        for name, entries in parts.items():
-            # Where each merged value comes from depends only on the selections, never on the
-            # values: work it out once per combination (it syncs with the host) and keep it when
-            # captured values change, so that a `when` pin re-capturing at every activation
-            # merges its targets without a sync.
-            layout_key = (name, tuple((pin_id, explicit) for pin_id, explicit, _, _ in entries))
-            layout = self._layouts.get(layout_key)
-            if layout is None:
-                layout = self._layouts[layout_key] = _Layout.of([index for _, _, index, _ in entries])
-            index, values = layout.apply([values for _, _, _, values in entries])
-            merged.append(Target(name, self.plan.parameters[name], index, values, _by_strides=layout.by_strides))
+        for (name, kind), (entries, held) in groups.items():
+            kernel = kinds.of(kind).merge(name, self.plan.parameters[name], entries, held)
+            if kernel is not None:
+                merged.append(kernel)
         return merged
 
     def fault_projections(self, pin_ids: Iterable[int] | None = None) -> list[Projection]:
-        """Per parameter and kind, the merged stuck-bit and interval projections of ``pin_ids``
-        (default: the active pins). Built once per set of pins (it syncs), then reused."""
+        """Per parameter and kind, the merged kernels of the pins ``pin_ids`` (default: the active
+        pins) whose elements train (stuck bits, bounds, codes). Built once per set of pins (it
+        syncs), then reused."""
         key = self.active if pin_ids is None else frozenset(pin_ids)
         found = self._faults.get(key)
         if found is None:
-            groups: dict[tuple[str, str], list[Selection]] = {}
-            for pin_id in sorted(key):
-                for name, selection in self.plan.pins[pin_id].selections.items():
-                    if not _frozen(selection):
-                        groups.setdefault((name, selection.kind), []).append(selection)
-            found = self._faults[key] = [
-                kinds.of(kind).merge(name, self.plan.parameters[name], entries)
-                for (name, kind), entries in groups.items()
-            ]
+            found = self._faults[key] = self._merged(key, frozen=False)
         return found
 
     def projections(self, pin_ids: Iterable[int] | None = None) -> list[Projection]:
-        """Everything the pins ``pin_ids`` (default: the active ones) hold, one projection per
-        parameter and kind: :class:`ExactValue` for value pins, :class:`StuckBits`, :class:`Interval`."""
-        return [ExactValue(t) for t in self.targets(pin_ids)] + self.fault_projections(pin_ids)
+        """Everything the pins ``pin_ids`` (default: the active ones) hold, one kernel per parameter
+        and kind: :class:`ExactValue` for value pins, :class:`StuckBits`, :class:`Interval`, ..."""
+        key = self.active if pin_ids is None else frozenset(pin_ids)
+        return self._frozen_kernels(key)[0] + self.fault_projections(key)
 
     # ----------------------------------------------------------------------------------------
     # The optimizer step
@@ -565,18 +555,14 @@ class PinEngine:
         return self._build_step_plan(optimizer)
 
     def _build_step_plan(self, optimizer: Optimizer | None) -> _StepPlan:
-        targets, faults = self.targets(), self.fault_projections()
+        values, faults = self._frozen_kernels(self.active)[0], self.fault_projections()
         names = None if optimizer is None else self._names_of(optimizer)
-        owned = targets if names is None else [t for t in targets if t.name in names]
+        owned_values = values if names is None else [v for v in values if v.name in names]
         owned_faults = faults if names is None else [f for f in faults if f.name in names]
-        elements = sum(t.values.numel() for t in owned) + sum(f.elements for f in owned_faults)
+        owned = [v.target for v in owned_values]
+        elements = sum(p.elements for p in owned_values) + sum(f.elements for f in owned_faults)
         wholes = [t for t in owned if t.index is None]
-        kernels: list[Callable[[], None]] = []
-        for target in owned:
-            if target.index is not None:
-                kernels.append(target.kernel() or functools.partial(self._write, [target]))
-        for projection in owned_faults:
-            kernels.append(projection.kernel() or functools.partial(_apply_to_parameter, projection))
+        kernels = [p.kernel() or functools.partial(_apply_to_parameter, p) for p in owned_values + owned_faults]
         layout = () if optimizer is None else tuple(len(group["params"]) for group in optimizer.param_groups)
         plan = self._step_plans[id(optimizer)] = _StepPlan(
             self._version, layout, owned, owned_faults, elements, wholes, kernels

@@ -228,7 +228,7 @@ def resolve(
                 return _by_name(pin, field, name, _load(pin, field, source, files), matched, aliases, known)
 
             # The kind sorts and dedupes the index and sets the elements' per-element payload.
-            kind.resolve_in(pin, selection, read, warn, module)
+            kind.resolve(pin, selection, read, warn, module)
             selection.kind = kind.kind
             if selection.index is not None:
                 selection.index = compact_index(selection.index, named[name].numel()).to(named[name].device)

@@ -6,7 +6,7 @@ those in turn need the kinds to check a pin's fields at construction, to name a 
 read a selection's payload fields by name. They ask this module, which the kinds fill once when
 :mod:`lightning_pin.core.kinds` is imported (``lightning_pin.core``'s ``__init__`` imports it, so
 the registry is filled before any ``Pin`` can be built). Imports go one way: this module imports
-no other module of lightning_pin.
+no other module of lightning_pin but its errors.
 
 Example::
 
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from lightning_pin.core.errors import PinError
 
 __all__ = ["DEFAULT_KIND", "check_spec", "convert_fields", "fill", "for_pin", "kinds", "later_fields", "payload_field"]
 
@@ -66,8 +68,18 @@ def for_pin(pin: Any) -> Any:
 
 
 def check_spec(pin: Any) -> None:
-    """Every kind's checks of ``pin``'s fields, in registry order (at construction)."""
-    for kind in _KINDS or kinds():
+    """Every kind's checks of ``pin``'s fields, in registry order (at construction).
+
+    Raises:
+        PinError: ``kind_args`` that is not a dict of the fields of registered kinds, or what a kind refuses.
+    """
+    registered = _KINDS or kinds()
+    if pin.kind_args is not None:
+        own = sorted(f for kind in registered for f in kind.pin_fields if f not in type(pin).__dataclass_fields__)
+        if not isinstance(pin.kind_args, Mapping) or any(key not in own for key in pin.kind_args):
+            raise PinError(f"{pin!r}: kind_args must be a dict of the fields of registered kinds ({own or 'none is'}"
+                           f" registered: lightning_pin.core.kinds.register), got {pin.kind_args!r}")
+    for kind in registered:
         kind.check_spec(pin)
 
 

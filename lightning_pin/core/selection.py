@@ -44,7 +44,7 @@ class Selection:
     #: of the parameter's shape, on the parameter's device. Empty for value pins (``values``).
     payload: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     #: Tensors of the module the kind reads at every restore (a quantized code's learned scale):
-    #: live references, never saved or fingerprinted (see ``Kind.resolve_in``).
+    #: live references, never saved or fingerprinted (see ``Kind.resolve``).
     context: dict[str, Tensor] = dataclasses.field(default_factory=dict)
 
     def __getattr__(self, field: str) -> Any:

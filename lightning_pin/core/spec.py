@@ -35,7 +35,7 @@ PinValue = Union[None, float, int, Sequence[float], torch.Tensor, str, Mapping[s
 
 _FIELDS = (
     "params", "indices", "mask", "fraction", "seed", "value", "start_step", "stop_step", "when",
-    "stuck_at_zero", "stuck_at_one", "bounds", "buffers", "code",
+    "stuck_at_zero", "stuck_at_one", "bounds", "buffers", "code", "kind_args",
 )
 
 
@@ -93,6 +93,8 @@ class Pin:
             over the code's bits. After every optimizer step each element is written
             ``(q' - zero_point) * scale`` with ``q' = (q & ~stuck_at_zero) | stuck_at_one`` on its code
             ``q``; the other code bits keep training.
+        kind_args: The fields of a kind registered outside the library
+            (:func:`lightning_pin.core.kinds.register`), by name: ``kind_args={"grid": 0.125}``.
 
     A pin is one of four kinds: a value pin (the default: the element equals its target bit for
     bit), a stuck-bit pin (``stuck_at_zero`` / ``stuck_at_one``), a quantized-code pin (``code``:
@@ -144,6 +146,7 @@ class Pin:
     bounds: Any = None
     buffers: bool = True
     code: Any = None
+    kind_args: Any = None
 
     @property
     def kind(self) -> str:
@@ -187,7 +190,7 @@ class Pin:
         later = registry.later_fields()
         digest = hashlib.sha256()
         for name in _FIELDS:
-            if name in later and getattr(self, name) is None:
+            if (name in later or name == "kind_args") and getattr(self, name) is None:
                 continue
             if name == "buffers" and self.buffers is True:
                 continue  # a default added later: the fingerprints (and state keys) of older pins stay

@@ -25,8 +25,19 @@ __all__ = ["FIELDS", "INDICES", "PathLike", "SHAPE", "SPEC_FIELDS", "load_fault_
 #: What a fault-map key after ``<parameter name>:`` may say, and what marks a healthy element there:
 #: each kind's fields (see :attr:`lightning_pin.core.kinds.base.Kind.map_fields`).
 FIELDS = {field: healthy for each in kinds.KINDS for field, healthy in each.map_fields.items()}
-#: The kind each field belongs to.
-_KIND_OF = {field: each for each in kinds.KINDS for field in each.map_fields}
+
+def _kind_of(field: str) -> type[kinds.Kind]:
+    """The kind a map field belongs to, in the registry as it is now (a registered kind's too)."""
+    return next(each for each in kinds.KINDS if field in each.map_fields)
+
+
+def _fields() -> dict[str, float]:
+    return {field: healthy for each in kinds.KINDS for field, healthy in each.map_fields.items()}
+
+
+def _spec_fields() -> dict[str, type[kinds.Kind]]:
+    return {field: each for each in kinds.KINDS for field in each.map_spec_fields}
+
 #: Per-parameter entries (not one per element) and the kind they belong to: a quantized code's spec.
 SPEC_FIELDS = {field: each for each in kinds.KINDS for field in each.map_spec_fields}
 #: The field of a bare parameter-name key (older maps: it holds stuck values).
@@ -251,10 +262,10 @@ def _split_key(key: str, where: str) -> tuple[str, str]:
     name, sep, field = key.rpartition(":")
     if not sep:
         return key, _BARE  # the older maps: the bare parameter name holds stuck values
-    if field not in FIELDS and field not in SPEC_FIELDS and field not in (INDICES, SHAPE, DTYPE):
+    if field not in _fields() and field not in _spec_fields() and field not in (INDICES, SHAPE, DTYPE):
         raise PinError(
             f"{where}: key {key!r} ends in {field!r}; a key is a parameter name or 'name:field' with field one of "
-            f"{[*FIELDS, *SPEC_FIELDS, INDICES, SHAPE, DTYPE]}"
+            f"{[*_fields(), *_spec_fields(), INDICES, SHAPE, DTYPE]}"
         )
     return name, field
 
@@ -265,7 +276,7 @@ def _pins_from_fields(
     """One pin per kind of fault that ``fields`` marks for parameter ``name`` (of shape ``recorded``, when the file
     records it)."""
     coords = fields.pop(INDICES, None)
-    spec = {field: fields.pop(field) for field in list(fields) if field in SPEC_FIELDS}
+    spec = {field: fields.pop(field) for field in list(fields) if field in _spec_fields()}
     flat: Optional[Tensor] = None  # with a recorded shape: the listed elements, flat and sorted
     if coords is not None:
         if coords.dtype in (torch.bool,) or coords.is_floating_point() or coords.ndim not in (1, 2):
@@ -281,7 +292,7 @@ def _pins_from_fields(
         expected = recorded
     for field, tensor in fields.items():
         shape = tuple(tensor.shape)
-        bits = _KIND_OF[field].map_bits
+        bits = _kind_of(field).map_bits
         if bits and (tensor.is_floating_point() or tensor.dtype == torch.bool):
             raise PinError(f"{where}: {name}:{field} must hold integer bit patterns, got {_show(tensor)}")
         if not bits and not tensor.is_floating_point():
@@ -309,8 +320,8 @@ def _pins_from_fields(
             continue
         every = marked if every is None else every | marked
         if bool(marked.any()):
-            extra = each.map_spec_pin({k: v for k, v in spec.items() if SPEC_FIELDS[k] is each}, where)
-            pins.append(each.map_pin(pattern, fields, marked, {**select(marked), **extra}))
+            own = {k: v for k, v in spec.items() if _spec_fields()[k] is each}
+            pins.append(each.map_pin(pattern, fields, marked, select(marked), own, where))
             parts.append(each.map_summary(int(marked.sum())))
     count = 0 if every is None else int(every.sum())
     return pins, f"{name}: {', '.join(parts) if parts else 'no fault'}", count
@@ -349,9 +360,9 @@ def _resolved_entries(
             flat = torch.arange(parameter.numel()) if selection.index is None else selection.index.cpu().long()
             coords = coordinates(flat, tuple(parameter.shape))
 
-            kind = kinds.of(selection.kind)
-            fields = kind.map_entries(selection, flat)  # one per element of `flat`
-            found.append((name, coords, fields, tuple(parameter.shape), kind.map_spec(rp.pin, selection)))
+            fields = kinds.of(selection.kind).map_entries(rp.pin, selection)  # one per element of `flat`
+            spec = {field: fields.pop(field) for field in list(fields) if field in _spec_fields()}
+            found.append((name, coords, fields, tuple(parameter.shape), spec))
     return found
 
 
@@ -382,7 +393,8 @@ def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor], Optional[tup
     for field in ("indices", "mask", *(f for each in kinds.KINDS for f in each.pin_fields)):
         if isinstance(getattr(pin, field), (str, Path, Mapping)):
             raise PinError(f"save_fault_map: {pin!r}: {field} must be given in memory (tensors or numbers) to be saved")
-    given = kinds.for_pin(pin).map_given(pin)
+    given = kinds.for_pin(pin).map_entries(pin, None)
+    spec = {field: given.pop(field) for field in list(given) if field in _spec_fields()}
     if pin.indices is not None:
         coords = torch.as_tensor(pin.indices).to(torch.int64)
         coords = coords.unsqueeze(1) if coords.ndim == 1 else coords
@@ -403,7 +415,7 @@ def _fault_entry(pin: Pin) -> tuple[str, Tensor, dict[str, Tensor], Optional[tup
         if raw is None:
             continue
         fields[field] = _per_element(pin, field, raw, coords, full)
-    return name, coords, fields, full, kinds.for_pin(pin).map_spec(pin, None)
+    return name, coords, fields, full, spec
 
 
 def _per_element(pin: Pin, field: str, raw: Any, coords: Tensor, full: Optional[tuple[int, ...]]) -> Tensor:
@@ -412,7 +424,7 @@ def _per_element(pin: Pin, field: str, raw: Any, coords: Tensor, full: Optional[
     Read as the plan reads it: a number for every element, one entry per selected element, or a
     tensor of the parameter's shape.
     """
-    bits = _KIND_OF[field].map_bits
+    bits = _kind_of(field).map_bits
     try:
         tensor = raw.detach().cpu() if isinstance(raw, Tensor) else torch.tensor(raw, dtype=torch.float64)
         if bits and not isinstance(raw, Tensor):
@@ -470,7 +482,7 @@ def _merge(name: str, parts: list[tuple[Tensor, dict[str, Tensor]]],
     for _, fields in parts:
         for field, tensor in fields.items():
             given.setdefault(field, []).append(tensor)
-    dtypes = {field: _KIND_OF[field].map_dtype(field, tensors) for field, tensors in given.items()}
+    dtypes = {field: _kind_of(field).map_dtype(field, tensors) for field, tensors in given.items()}
 
     def element(row: int) -> str:
         return f"element {tuple(cells[row].tolist())} of {name!r}"
@@ -481,8 +493,9 @@ def _merge(name: str, parts: list[tuple[Tensor, dict[str, Tensor]]],
         at = inverse[start : start + coords.shape[0]]
         start += coords.shape[0]
         for field, entries in fields.items():
-            target = merged.setdefault(field, torch.full((cells.shape[0],), FIELDS[field], dtype=dtypes[field]))
-            _KIND_OF[field].map_merge(element, field, target, at, entries.to(dtypes[field]))
+            healthy = _kind_of(field).map_fields[field]
+            target = merged.setdefault(field, torch.full((cells.shape[0],), healthy, dtype=dtypes[field]))
+            _kind_of(field).map_merge(element, field, target, at, entries.to(dtypes[field]))
     for each in kinds.KINDS:
         each.map_check(merged, element)
     return {f"{name}:{INDICES}": cells, **{f"{name}:{field}": tensor for field, tensor in merged.items()}}

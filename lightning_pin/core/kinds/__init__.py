@@ -8,7 +8,9 @@ one element, and its words in summaries and errors. The engine, the plan, the st
 fault maps and the reporting ask the kind of a selection (:func:`of`) and never test a kind's
 name.
 
-A new kind is one module here (a subclass of ``Kind``) plus one line in :data:`KINDS`.
+A new kind is one module (a subclass of ``Kind``) plus one registration: a line in :data:`KINDS`
+for the library's own, :func:`register` for a kind defined elsewhere (its fields then travel in
+``Pin(..., kind_args={...})``).
 
 Kinds that act on module *outputs* in every forward rather than on weights after the step (stuck
 neurons, :mod:`~lightning_pin.core.kinds.neuron`) are listed in :data:`OUTPUT_KINDS`: each names
@@ -64,7 +66,9 @@ BY_NAME: dict[str, type[Kind]] = {kind.kind: kind for kind in KINDS}
 DEFAULT = KINDS[0]
 # What the spec and the selection types ask about the kinds (a pin's kind, its field checks, a
 # payload field by name) they ask the registry, below them: filled here, on import.
-registry.fill(KINDS, field_types={"code": QuantCode.from_config})
+#: Pin fields a kind turns from a mapping (Hydra / YAML) into its own type.
+_FIELD_TYPES = {"code": QuantCode.from_config}
+registry.fill(KINDS, field_types=_FIELD_TYPES)
 #: Pin fields of the kinds added after the first release: fingerprinted only when given, so pins
 #: that do not use them keep the fingerprints (and checkpoint state keys) of earlier releases.
 LATER_FIELDS = registry.later_fields()
@@ -99,6 +103,31 @@ def of(name: str) -> type[Kind]:
     return BY_NAME[name]
 
 
+def register(kind: type[Kind]) -> type[Kind]:
+    """Add ``kind`` (a subclass of :class:`Kind` defined outside the library) to the registry: pins
+    that give its :attr:`~Kind.pin_fields` in ``kind_args`` are of it from then on (it comes after
+    the library's kinds). Returns ``kind``, so it can decorate the class.
+
+    Raises:
+        PinError: ``kind`` is not a Kind, or its name or a field is taken.
+    """
+    global KINDS, LATER_FIELDS
+    if not (isinstance(kind, type) and issubclass(kind, Kind)):
+        raise PinError(f"register: {kind!r} is not a subclass of lightning_pin.core.kinds.Kind")
+    if BY_NAME.get(kind.kind, kind) is not kind:
+        raise PinError(f"register: the kind name {kind.kind!r} is taken by {BY_NAME[kind.kind].__name__}")
+    taken = {f for each in KINDS if each is not kind for f in each.pin_fields} | set(Pin.__dataclass_fields__)
+    if not kind.pin_fields or taken & set(kind.pin_fields):
+        raise PinError(f"register: {kind.__name__} needs pin fields of its own (given {kind.pin_fields}; taken: "
+                       f"{sorted(taken & set(kind.pin_fields))})")
+    if kind not in KINDS:
+        KINDS = (*KINDS, kind)
+        BY_NAME[kind.kind] = kind
+        registry.fill(KINDS, field_types=_FIELD_TYPES)
+        LATER_FIELDS = registry.later_fields()
+    return kind
+
+
 def check_conflict(first: Pin, a: Any, second: Pin, b: Any, name: str) -> None:
     """Two pins on one parameter at overlapping steps: the same kind decides what its pins may
     share; two kinds may share no element (each would undo the other).
@@ -126,5 +155,5 @@ def check_conflict(first: Pin, a: Any, second: Pin, b: Any, name: str) -> None:
 __all__ = [
     "BY_NAME", "DEFAULT", "KINDS", "LATER_FIELDS", "OUTPUT_KINDS", "ExactValue", "Interval", "Kind", "NeuronKind",
     "QuantCode", "QuantizedCode", "StuckBits", "Unreadable",
-    "check_conflict", "check_spec", "for_pin", "of", "output_kind", "payload_field", "split",
+    "check_conflict", "check_spec", "for_pin", "of", "output_kind", "payload_field", "register", "split",
 ]

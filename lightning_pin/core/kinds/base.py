@@ -3,8 +3,9 @@
 A kind is one class (one module of :mod:`lightning_pin.core.kinds`). Its class methods say what
 the kind means wherever a pin of it goes: which :class:`~lightning_pin.Pin` fields it reads and
 their checks (at construction), how those fields resolve on a parameter into a per-element
-payload, the summary's words, its conflicts with other pins on one element, its saved form in
-the pin state, and how a stored tensor (a checkpoint, an export) is compared with it. An
+payload, the summary's words, its conflicts with other pins on one element. Its saved form (the
+pin state, a stored tensor in a checkpoint or an export, a fault map, a forced fault) is read
+through one generic protocol written here from the kind's data. An
 instance is the restore kernel of one parameter's elements under active pins of the kind: a
 *projection* onto the set the pins allow, sync-free, with :meth:`Kind.drift` and
 :meth:`Kind.off` for the monitor and ``verify()``.
@@ -15,18 +16,23 @@ Nothing here imports the plan, the engine or Lightning: ``lightning-pin check`` 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Optional
 
 import torch
 from torch import Tensor
 
+from lightning_pin.core.errors import PinError
+from lightning_pin.core.kinds._common import merge_rounds
 from lightning_pin.core.selection import SavedSelection, Selection
 from lightning_pin.core.sharding import Target, copy_at, is_sharded, wide_index
 from lightning_pin.core.spec import Pin
 
-__all__ = ["Expected", "Kind", "Reader", "Unreadable", "read_field", "show"]
+__all__ = ["Expected", "HOOKS", "Kind", "Reader", "Unreadable", "pin_field", "read_field", "show"]
 
 
 #: ``read(field, source)``: ``source`` (a Pin field) for the parameter being resolved: a file it
@@ -34,6 +40,27 @@ __all__ = ["Expected", "Kind", "Reader", "Unreadable", "read_field", "show"]
 Reader = Callable[[str, Any], Any]
 #: ``expected(position)``: what element ``position`` of a comparison must hold (a number, or words).
 Expected = Callable[[int], "float | str"]
+
+
+#: What a kind implements (it may leave out those with a default: check_spec, check_fits,
+#: check_overlap, check_saved, stored_off, map_entries, map_pin, kernel). Everything else a kind is
+#: asked is implemented once in :class:`Kind` from its data (class attributes).
+HOOKS = (
+    # the spec and the plan
+    "check_spec", "resolve", "describe", "check_fits", "check_overlap", "merge",
+    # the saved form: the pin state, check / diff on stored tensors, fault-map files
+    "check_saved", "stored_off", "map_entries", "map_pin",
+    # the kernel (an instance)
+    "apply", "kernel", "drift", "off",
+)
+
+
+def pin_field(pin: Pin, field: str) -> Any:
+    """``pin``'s field ``field``: an argument of :class:`~lightning_pin.Pin`, or an entry of its
+    ``kind_args`` for a kind registered outside the library (None: not given)."""
+    if field in type(pin).__dataclass_fields__:
+        return getattr(pin, field)
+    return (pin.kind_args or {}).get(field)
 
 
 class Unreadable(Exception):
@@ -48,6 +75,25 @@ class Unreadable(Exception):
 class Kind:
     """One kind of pin: what it means everywhere (class methods) and its restore kernel (instances).
 
+    What a kind implements is at most these methods (:data:`HOOKS`); everything else a kind is
+    asked (its saved form in the pin state, how ``check`` / ``diff`` read a stored tensor, its
+    fault-map entries, the words a forced fault writes, messages) is generic, implemented once
+    here from the kind's data (class attributes such as :attr:`payload_fields` and
+    :attr:`map_fields`) and those methods:
+
+    - the spec: :meth:`check_spec` (its :attr:`pin_fields` at construction);
+    - the plan: :meth:`resolve` (the fields on one parameter, into ``selection.payload``),
+      :meth:`describe`, :meth:`check_fits`, :meth:`check_overlap`;
+    - the kernel: :meth:`merge` (the selections of one parameter under the active pins into an
+      instance), then :meth:`apply` (optionally bound once as :meth:`kernel` for the step plan),
+      :meth:`drift` and :meth:`off`;
+    - the saved form: ``selection.payload`` itself (see :meth:`saved`), refused where no spec of
+      the kind can give it by :meth:`check_saved`; a stored tensor is checked by :meth:`stored_off`
+      (by default: :meth:`off` of the kernel merged from the saved form) and a forced fault writes
+      :meth:`apply`'s words (see :meth:`word_rewrite`);
+    - fault-map files: :meth:`map_entries` and :meth:`map_pin` (by default the :attr:`map_fields` of
+      the payload); how two pins' entries merge and what cannot hold together follow :attr:`map_fold`.
+
     An instance holds a :class:`~lightning_pin.core.sharding.Target`: the merged elements of one
     parameter and a per-element payload, so the kernels are index based, sync-free and work on
     dense, permuted and sharded tensors alike through :meth:`Target.part`.
@@ -59,28 +105,59 @@ class Kind:
     words: ClassVar[str]
     #: What elements that break it are, in ``verify()``: "off target", "out of bounds".
     off_words: ClassVar[str]
+    #: One element in a violation, formatted with ``coords``, ``actual`` and ``expected``.
+    example: ClassVar[str] = "{coords}: {actual!r} ({expected})"
     #: The :class:`~lightning_pin.Pin` fields the kind reads: a pin giving any of them is of this kind.
     pin_fields: ClassVar[tuple[str, ...]] = ()
-    #: Names of the per-element tensors a resolved selection holds (``Selection.payload``, the
-    #: saved ``SavedSelection.payload``), in the order they are fingerprinted and saved.
+    #: Names of the tensors a resolved selection holds (``Selection.payload``, the saved
+    #: ``SavedSelection.payload``), in the order they are fingerprinted and saved: one entry per
+    #: element, except those in :attr:`selection_fields`.
     payload_fields: ClassVar[tuple[str, ...]] = ()
+    #: The payload fields that hold one tensor per selection, not one entry per element.
+    selection_fields: ClassVar[tuple[str, ...]] = ()
+    #: Payload fields a stored artifact holds beside the weight, by the payload field naming it
+    #: (UTF-8 bytes): a learned scale, read by ``check`` / ``diff`` from the artifact's own tensors.
+    named_fields: ClassVar[dict[str, str]] = {}
+    #: The payload field whose dtype is the parameter's (None: the saved form does not tell it).
+    dtype_field: ClassVar[Optional[str]] = None
     #: What a saved payload field belongs to, in the message of a mismatch ("" names the parameter alone).
     saved_owner: ClassVar[str] = ""
+    #: Why ``verify`` cannot read the kind in a copy of another dtype: "its stuck bits are bits of"
+    #: (the parameter's dtype follows); "" reads any copy.
+    copy_words: ClassVar[str] = ""
     #: True for the kind whose elements are frozen: their gradients are masked, their optimizer
     #: statistics zeroed, their targets merged with those of other such pins (and captured for
-    #: ``value=None``). Other kinds leave gradients and statistics alone: their elements train.
+    #: ``value=None``), and the saved form is the target (``SavedSelection.target``) rather than a
+    #: payload. Other kinds leave gradients and statistics alone: their elements train.
     frozen: ClassVar[bool] = False
+    #: Whether the kind fixes the stored words of its elements (a value, stuck bits): a forced fault
+    #: writes what :meth:`apply` writes. An interval leaves the element free inside it.
+    fixes_words: ClassVar[bool] = True
     #: Why this kind and another cannot share an element, when this kind is the reason (the
     #: first kind of the registry with a reason gives it).
     mixed_reason: ClassVar[str] = ""
 
+    # Fault-map files (lightning_pin.faults.fault_map): one entry per element and field.
+    #: The kind's fields in a fault-map file, and the entry that marks a healthy element in each.
+    map_fields: ClassVar[dict[str, float]] = {}
+    #: Whether the map fields hold integer bit patterns (else numbers, read as float64).
+    map_bits: ClassVar[bool] = False
+    #: Whether a merged map field keeps the dtype of the pins' entries (widened to hold them all)
+    #: rather than int64 (bit patterns) or float64.
+    map_keeps_dtype: ClassVar[bool] = False
+    #: How two pins' entries for one element merge, per map field: ``"or"`` (bit patterns),
+    #: ``"max"`` / ``"min"`` (bounds intersect) or ``"same"`` (two different entries are an error).
+    map_fold: ClassVar[dict[str, str]] = {}
+    #: The kind's per-parameter entries in a fault-map file (``name:<field>``, not one per element:
+    #: a quantized code's spec and scales).
+    map_spec_fields: ClassVar[tuple[str, ...]] = ()
+    #: What two ``"or"`` map fields hold, in a message: "bits", "code bits".
+    bit_words: ClassVar[str] = "bits"
+    #: ``count`` elements of the kind in a map's summary line, singular and plural: "3 stuck values".
+    map_words: ClassVar[tuple[str, str]] = ("", "")
+
     # ------------------------------------------------------------------------------------
     # The spec (no model)
-
-    @classmethod
-    def claims(cls, pin: Pin) -> bool:
-        """Whether ``pin`` is of this kind: it gives one of the kind's fields."""
-        return any(getattr(pin, field) is not None for field in cls.pin_fields)
 
     @classmethod
     def check_spec(cls, pin: Pin) -> None:
@@ -91,24 +168,19 @@ class Kind:
     # The plan (one parameter)
 
     @classmethod
-    def resolve(cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any]) -> None:
-        """Resolve the kind's fields on ``selection``'s parameter: sort and dedupe
-        ``selection.index`` and set its per-element payload (in the sorted order).
+    def resolve(
+        cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any], module: torch.nn.Module
+    ) -> None:
+        """Resolve the kind's fields on ``selection``'s parameter (of ``module``, the module being
+        pinned): sort and dedupe ``selection.index`` and set its per-element payload (in the sorted
+        order). A kind whose fields name other tensors of the module (a quantized code's learned
+        scale) keeps them in ``selection.context`` (read at every restore; never saved or
+        fingerprinted).
 
         Raises:
             PinError: what the parameter cannot honour.
         """
         raise NotImplementedError
-
-    @classmethod
-    def resolve_in(
-        cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any], module: torch.nn.Module
-    ) -> None:
-        """:meth:`resolve` with the module being pinned at hand: what the plan calls. A kind whose
-        fields name other tensors of the module (a quantized code's learned scale) finds them here
-        and keeps them in ``selection.context`` (read at every restore; never saved or
-        fingerprinted). The default ignores the module."""
-        cls.resolve(pin, selection, read, warn)
 
     @classmethod
     def describe(cls, selection: Selection) -> str:
@@ -124,17 +196,90 @@ class Kind:
         """Two pins of this kind on one parameter at overlapping steps: refuse what cannot hold together."""
 
     @classmethod
-    def merge(cls, name: str, parameter: torch.nn.Parameter, entries: Sequence[Selection]) -> Kind:
-        """One projection for the selections ``entries`` of one parameter (runs when the set of
-        active pins changes; it may sync). The frozen kind's targets are merged by the engine."""
+    def merge(
+        cls, name: str, parameter: torch.nn.Parameter, entries: Sequence[Selection],
+        captured: Sequence[Optional[Tensor]] = (),
+    ) -> Optional[Kind]:
+        """One kernel for the selections ``entries`` of one parameter, in pin order (runs when the
+        set of active pins changes; it may sync). ``captured``: per entry, what its pin captured when
+        it activated (the frozen kind's ``value=None`` targets), else None. None: nothing to hold yet."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------------
-    # The pin state (see lightning_pin.core.state)
+    # The saved form: the pin state (lightning_pin.core.state), check / diff on stored tensors
+
+    @classmethod
+    def check_saved(cls, payload: Mapping[str, Tensor], at: str, corrupt: Callable[[str], Exception]) -> None:
+        """Refuse a saved payload no spec of the kind can give."""
+
+    @classmethod
+    def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
+        """``(off, expected)`` for the elements ``values`` (flat, in the selection's order) of a
+        stored tensor: which break the saved selection, and what element ``i`` must hold. By
+        default :meth:`off` of the kernel merged from the saved form, on the stored elements.
+
+        Raises:
+            Unreadable: the stored tensor cannot be checked for this kind (a word of another width).
+        """
+        _, off, expected = cls.from_saved(saved, values).off(values.reshape(-1))
+        return off, expected
+
+    # ------------------------------------------------------------------------------------
+    # Fault-map files (lightning_pin.faults.fault_map): one entry per element and field
+
+    @classmethod
+    def map_entries(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Any]:
+        """``pin``'s entries by map field: with ``selection`` (the pin resolved on a module) one per
+        selected element, on the CPU; without, the pin's own fields, to save it without a module
+        (``None``: not given). Entries of :attr:`map_spec_fields` are per parameter (a code's spec).
+
+        Raises:
+            PinError: the pin cannot be saved without a module.
+        """
+        if selection is None:
+            return {field: pin_field(pin, field) for field in cls.map_fields}
+        entries = {}
+        for field in cls.map_fields:
+            tensor = selection.payload[field].detach().cpu().reshape(-1)
+            if cls.map_bits and tensor.dtype in (torch.int16, torch.int32):
+                # Bit masks are held in the signed integer of the word's width: the map stores the unsigned pattern.
+                tensor = tensor.to(torch.int64) & ((1 << (8 * tensor.element_size())) - 1)
+            elif cls.map_bits or not cls.map_keeps_dtype:
+                tensor = tensor.to(torch.int64 if cls.map_bits else torch.float64)
+            entries[field] = tensor
+        return entries
+
+    @classmethod
+    def map_pin(
+        cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any],
+        spec: Mapping[str, Tensor], where: str,
+    ) -> Pin:
+        """The pin for the ``marked`` elements of a map (``select``: the selection fields; ``spec``:
+        the parameter's entries of :attr:`map_spec_fields`).
+
+        Raises:
+            PinError: per-parameter entries no saved pin gives, naming ``where``.
+        """
+        given = {f: fields[f][marked] for f in cls.map_fields if f in fields}
+        own = {f: v for f, v in given.items() if f not in Pin.__dataclass_fields__}  # a registered kind's
+        extra = {"kind_args": own} if own else {}
+        return Pin(pattern, **{f: v for f, v in given.items() if f not in own}, **extra, **select)
+
+    # ====================================================================================
+    # Generic: implemented once, from the kind's data and the methods above (not overridden)
+
+    @classmethod
+    def claims(cls, pin: Pin) -> bool:
+        """Whether ``pin`` is of this kind: it gives one of the kind's fields."""
+        return any(pin_field(pin, field) is not None for field in cls.pin_fields)
 
     @classmethod
     def saved(cls, selection: Selection, captured: Optional[Tensor]) -> SavedSelection:
-        """What the pin state saves of ``selection`` (``captured``: the frozen kind's captured targets)."""
+        """What the pin state saves of ``selection``: its payload, or for the frozen kind its target
+        (explicit, or ``captured`` when the pin activated)."""
+        if cls.frozen:
+            explicit = selection.values is not None
+            return SavedSelection(selection.index, selection.values if explicit else captured, explicit, cls.kind)
         payload = {field: selection.payload[field].cpu() for field in cls.payload_fields}
         return SavedSelection(selection.index, None, True, cls.kind, payload=payload)
 
@@ -148,20 +293,25 @@ class Kind:
         Raises:
             CorruptPinState: through ``corrupt``, naming ``at`` and what is wrong.
         """
+        if cls.frozen:
+            if target is None and explicit:
+                raise corrupt(f"{at}: an explicit pin without a target")
+            return SavedSelection(index, target, explicit, cls.kind)
         if target is not None or not explicit:
             raise corrupt(f"{at}: a {cls.kind} selection holds no target and is explicit (it comes from the spec)")
         shape = None if index is None else (index.numel(),)
-        payload = {field: read_field(saved, field, at, shape, corrupt) for field in cls.payload_fields}
+        payload = {
+            field: read_field(saved, field, at, None if field in cls.selection_fields else shape, corrupt)
+            for field in cls.payload_fields
+        }
         cls.check_saved(payload, at, corrupt)
         return SavedSelection(index, None, True, cls.kind, payload=payload)
 
     @classmethod
-    def check_saved(cls, payload: Mapping[str, Tensor], at: str, corrupt: Callable[[str], Exception]) -> None:
-        """Refuse a saved payload no spec of the kind can give."""
-
-    @classmethod
     def saved_differs(cls, selection: Selection, saved: SavedSelection, name: str) -> list[str]:
         """Why ``saved`` (same elements, same kind) is not what ``selection`` holds now, if it is not."""
+        if cls.frozen:
+            return _target_differs(selection, saved, name)
         problems = []
         for field in cls.payload_fields:
             mine, theirs = selection.payload[field].cpu(), saved.payload[field]
@@ -169,75 +319,108 @@ class Kind:
                 problems.append(f"the saved {field} of {cls.saved_owner}{name!r} differ from the spec's")
         return problems
 
-    # ------------------------------------------------------------------------------------
-    # Stored tensors (check / diff on files: no engine)
+    @classmethod
+    def from_saved(cls, saved: SavedSelection, values: Tensor) -> Kind:
+        """The kernel of a saved selection on its stored elements ``values`` (flat, in the
+        selection's order): merged as the engine merges it, on a stand-in parameter of those
+        elements (what :meth:`stored_off` and :meth:`word_rewrite` read)."""
+        flat = values.detach().reshape(-1)
+        stand_in = torch.nn.Parameter(torch.empty_like(flat), requires_grad=False)
+        payload = {
+            field: tensor if field in cls.selection_fields else tensor.reshape(-1)
+            for field, tensor in saved.payload.items()
+        }
+        target = None if saved.target is None else saved.target.reshape(-1)
+        # What merge reads of a selection (a Selection of the plan, which the kinds do not import).
+        selection = types.SimpleNamespace(name="stored", parameter=stand_in, index=None, values=target, how="saved",
+                                          kind=cls.kind, payload=payload, context={})
+        kernel = cls.merge("stored", stand_in, [selection], [None])
+        if kernel is None:
+            raise Unreadable(cls.words, "a target")
+        return kernel
 
     @classmethod
     def stored_bind(cls, saved: SavedSelection, tensors: Mapping[str, Tensor]) -> SavedSelection:
-        """``saved`` with what it reads from the stored artifact's other tensors (by name) filled in,
-        before :meth:`stored_off` (a quantized code's learned scale is stored beside its weight).
-        The default reads nothing."""
-        return saved
-
-    @classmethod
-    def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
-        """``(off, expected)`` for the elements ``values`` (flat, in the selection's order) of a
-        stored tensor: which break the saved selection, and what element ``i`` must hold.
-
-        Raises:
-            Unreadable: the stored tensor cannot be checked for this kind (a word of another width).
-        """
-        raise NotImplementedError
+        """``saved`` with its :attr:`named_fields` read from the stored artifact's other tensors (by
+        name), before :meth:`stored_off` (a quantized code's learned scale is stored beside its weight)."""
+        payload = dict(saved.payload)
+        for field, name_field in cls.named_fields.items():
+            name = bytes(payload[name_field].tolist()).decode()
+            if name and name in tensors:
+                payload[field] = tensors[name].detach().reshape(-1)
+        if all(payload[field] is saved.payload[field] for field in cls.named_fields):
+            return saved
+        return SavedSelection(saved.index, saved.target, saved.explicit, cls.kind, payload=payload)
 
     @classmethod
     def stored_dtype(cls, saved: SavedSelection) -> Optional[torch.dtype]:
         """The parameter's dtype, if the saved selection tells it (stuck-bit masks do not)."""
-        return None
-
-    # ------------------------------------------------------------------------------------
-    # Fault-map files (lightning_pin.faults.fault_map): one entry per element and field
-
-    #: The kind's fields in a fault-map file, and the entry that marks a healthy element in each.
-    map_fields: ClassVar[dict[str, float]] = {}
-    #: Whether the map fields hold integer bit patterns (else numbers, read as float64).
-    map_bits: ClassVar[bool] = False
-
-    #: The kind's per-parameter entries in a fault-map file (``name:<field>``, not one per element:
-    #: a quantized code's spec and scales).
-    map_spec_fields: ClassVar[tuple[str, ...]] = ()
+        if cls.frozen:
+            return None if saved.target is None else saved.target.dtype
+        return None if cls.dtype_field is None else saved.payload[cls.dtype_field].dtype
 
     @classmethod
-    def map_spec(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Tensor]:
-        """The per-parameter entries of ``pin`` (resolved as ``selection`` when saved with a module)."""
-        return {}
+    def word_rewrite(
+        cls, selection: Selection, word: torch.dtype, count: int
+    ) -> Optional[Callable[[Tensor], Tensor]]:
+        """``rewrite(old_words) -> new_words`` for the ``count`` selected elements, as integer words
+        of dtype ``word``: the stored words once the fault is forced, what :meth:`apply` writes;
+        None when the kind fixes no word (:attr:`fixes_words`) or holds no target yet."""
+        if not cls.fixes_words:
+            return None
+        dtype = selection.parameter.dtype
+        stand_in = torch.nn.Parameter(
+            torch.empty(count, dtype=dtype, device=selection.parameter.device), requires_grad=False
+        )
+        flat = dataclasses.replace(
+            selection, parameter=stand_in, index=None,
+            values=None if selection.values is None else selection.values.reshape(-1),
+            payload={f: t if f in cls.selection_fields else t.reshape(-1) for f, t in selection.payload.items()},
+        )
+        kernel = cls.merge(selection.name, stand_in, [flat], [None])
+        if kernel is None:
+            return None  # captured when the pin activates: no word yet
+
+        def rewrite(old: Tensor) -> Tensor:
+            values = old.view(dtype).clone()
+            kernel.apply(values)
+            return values.view(old.dtype)
+
+        return rewrite
 
     @classmethod
-    def map_spec_pin(cls, spec: Mapping[str, Tensor], where: str) -> dict[str, Any]:
-        """The :class:`~lightning_pin.Pin` fields a map's per-parameter entries ``spec`` give.
+    def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
+        """Refuse merged map entries that cannot hold together (``element(row)``: its words): bits
+        of the two ``"or"`` fields (stuck at zero, stuck at one) stuck both ways, or a ``"max"``
+        field (a lower bound) above its ``"min"`` field.
 
         Raises:
-            PinError: entries no saved pin gives, naming ``where``.
+            PinError: naming the first such element.
         """
-        return {}
+        folds = {fold: field for field, fold in cls.map_fold.items() if field in merged}
+        ors = [field for field, fold in cls.map_fold.items() if fold == "or" and field in merged]
+        if len(ors) == 2:
+            zero, one = merged[ors[0]], merged[ors[1]]
+            if bool((zero & one).any()):
+                at = int((zero & one).ne(0).to(torch.int8).argmax())
+                raise PinError(f"save_fault_map: {element(at)} has {cls.bit_words} {int(zero[at] & one[at]):#x} stuck "
+                               "at zero and at one")
+        if "max" in folds and "min" in folds:
+            low, high = merged[folds["max"]], merged[folds["min"]]
+            if bool((low > high).any()):
+                at = int((low > high).to(torch.int8).argmax())
+                raise PinError(f"save_fault_map: the {cls.words} of {element(at)} do not overlap "
+                               f"({low[at].item()} > {high[at].item()})")
+
+    @classmethod
+    def show_example(cls, coords: tuple[int, ...], actual: Any, expected: Any) -> str:
+        """One element in a violation: ``(0, 1): 2.0 (bounds [0, 1])`` (see :attr:`example`)."""
+        return cls.example.format(coords=coords, actual=actual, expected=expected)
 
     @classmethod
     def map_summary(cls, count: int) -> str:
         """``count`` elements of the kind in a map's summary line: "3 stuck values", "2 bounded"."""
-        return f"{count:,} {cls.words}"
-
-    @classmethod
-    def map_given(cls, pin: Pin) -> dict[str, Any]:
-        """The pin's own entries by map field, to save it without a module (``None``: not given).
-
-        Raises:
-            PinError: the pin cannot be saved without a module.
-        """
-        return {field: getattr(pin, field) for field in cls.map_fields}
-
-    @classmethod
-    def map_entries(cls, selection: Selection, flat: Tensor) -> dict[str, Tensor]:
-        """A resolved selection's entries by map field, one per element of ``flat``, on the CPU."""
-        return {field: selection.payload[field].detach().cpu().reshape(-1) for field in cls.map_fields}
+        return f"{count:,} {cls.map_words[0] if count == 1 else cls.map_words[1]}"
 
     @classmethod
     def map_marked(cls, fields: Mapping[str, Tensor]) -> Optional[Tensor]:
@@ -246,52 +429,45 @@ class Kind:
         for field, healthy in cls.map_fields.items():
             tensor = fields.get(field)
             if tensor is not None:
-                faulty = tensor != healthy
+                faulty = ~tensor.isnan() if math.isnan(healthy) else tensor != healthy
                 marked = faulty if marked is None else marked | faulty
         return marked
 
     @classmethod
-    def map_pin(cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any]) -> Pin:
-        """The pin for the ``marked`` elements of a map (``select``: the selection fields)."""
-        return Pin(pattern, **{f: fields[f][marked] for f in cls.map_fields if f in fields}, **select)
-
-    @classmethod
     def map_dtype(cls, field: str, given: Sequence[Tensor]) -> torch.dtype:
         """The dtype of a merged map field, from the entries of the pins on one parameter."""
+        if cls.map_keeps_dtype:
+            return functools.reduce(torch.promote_types, [t.dtype for t in given])
         return torch.int64 if cls.map_bits else torch.float64
 
     @classmethod
     def map_merge(cls, where: Callable[[int], str], field: str, target: Tensor, at: Tensor, given: Tensor) -> None:
-        """Merge one pin's entries ``given`` into ``target`` at rows ``at`` (``at`` may repeat a row).
+        """Merge one pin's entries ``given`` into ``target`` at rows ``at`` (``at`` may repeat a row)
+        as :attr:`map_fold` says.
 
         Raises:
-            PinError: entries that cannot be merged, naming the element (``where(row)``: its words).
+            PinError: two different entries for one element of a ``"same"`` field, naming the
+                element (``where(row)``: its words).
         """
-        raise NotImplementedError
+        fold = cls.map_fold.get(field, "same")
+        if fold in ("max", "min"):
+            target.scatter_reduce_(0, at, given, reduce="a" + fold)
+        elif fold == "or":
+            merge_rounds(target, at, given, lambda rows, before, entries: before | entries)
+        else:
+            healthy = cls.map_fields[field]
 
-    @classmethod
-    def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
-        """Refuse merged entries that cannot hold together (``element(row)``: its words)."""
+            def agree(rows: Tensor, before: Tensor, entries: Tensor) -> Tensor:
+                unset = before.isnan() if math.isnan(healthy) else before == healthy
+                clash = ~unset & (before != entries)
+                if bool(clash.any()):
+                    raise PinError(
+                        f"save_fault_map: {where(int(rows[clash.to(torch.int8).argmax()]))} is given two different "
+                        f"{cls.map_words[1]}"
+                    )
+                return entries
 
-    # ------------------------------------------------------------------------------------
-    # Forced faults (lightning_pin.faults.flips: the faulty words written without training)
-
-    @classmethod
-    def word_rewrite(
-        cls, selection: Selection, word: torch.dtype, count: int
-    ) -> Optional[Callable[[Tensor], Tensor]]:
-        """``rewrite(old_words) -> new_words`` for the ``count`` selected elements, as integer words
-        of dtype ``word``: the stored words once the fault is forced; None when the kind fixes no
-        word (an interval leaves the element free inside it)."""
-        return None
-
-    # ------------------------------------------------------------------------------------
-    # Words
-
-    @classmethod
-    def show_example(cls, coords: tuple[int, ...], actual: Any, expected: Any) -> str:
-        """One element in a violation: ``(0, 1): 2.0 (bounds [0, 1])``."""
-        return f"{coords}: {actual!r} ({expected})"
+            merge_rounds(target, at, given, agree)
 
     # ------------------------------------------------------------------------------------
     # The restore kernel (an instance: one parameter's elements under the active pins)
@@ -308,8 +484,9 @@ class Kind:
 
     @property
     def elements(self) -> int:
-        """How many elements the projection holds (from shapes only: no sync)."""
-        raise NotImplementedError
+        """How many elements the kernel holds (from shapes only: no sync)."""
+        index = self.target.index
+        return self.target.parameter.numel() if index is None else index.numel()
 
     def apply(self, tensor: Tensor) -> None:
         """Project ``tensor`` (the parameter's data, or a copy of the weights) in place."""
@@ -349,7 +526,12 @@ class Kind:
         raise NotImplementedError
 
     def refuse_copy(self, tensor: Tensor) -> Optional[str]:
-        """Why ``verify`` cannot check this kind on ``tensor`` (a copy in another dtype), or None."""
+        """Why ``verify`` cannot check this kind on ``tensor`` (a copy in another dtype), or None
+        (see :attr:`copy_words`)."""
+        dtype = self.target.parameter.dtype
+        if self.copy_words and tensor.dtype != dtype:
+            return (f"verify: {self.name!r} is {tensor.dtype} here but {self.copy_words} {dtype}; verify a copy in "
+                    "the parameter's dtype")
         return None
 
     def _elements(self, tensor: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
@@ -388,6 +570,21 @@ class Kind:
             first, second = (payload[..., i].contiguous().to(device=device, dtype=dtype) for i in (0, 1))
             cached = self._split[key] = (payload, first, second)
         return cached[1], cached[2]
+
+
+def _target_differs(selection: Selection, saved: SavedSelection, name: str) -> list[str]:
+    """Why the frozen kind's saved target is not what ``selection`` holds now, if it is not."""
+    index, target = saved.index, saved.target
+    if target is None:
+        return []
+    if tuple(target.shape) != (tuple(selection.parameter.shape) if index is None else (index.numel(),)):
+        return [f"the saved targets of {name!r} have shape {tuple(target.shape)}"]
+    stored = target.to(selection.parameter.dtype)
+    if not torch.equal(stored.to(target.dtype), target):
+        return [f"the saved targets of {name!r} do not fit {selection.parameter.dtype}"]
+    if selection.values is not None and not torch.equal(stored, selection.values.cpu()):
+        return [f"the explicit values for {name!r} differ from the saved ones"]
+    return []
 
 
 def read_field(

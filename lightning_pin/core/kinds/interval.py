@@ -47,6 +47,8 @@ class Interval(Kind):
     off_words = "out of bounds"
     pin_fields = ("bounds",)
     payload_fields = ("low", "high")
+    dtype_field = "low"
+    fixes_words = False  # the element trains inside its interval: a forced fault writes no word
     mixed_reason = "clamping can undo a stuck bit; "
 
     # ------------------------------------------------------------------------------------
@@ -66,7 +68,9 @@ class Interval(Kind):
     # The plan
 
     @classmethod
-    def resolve(cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any]) -> None:
+    def resolve(
+        cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any], module: torch.nn.Module
+    ) -> None:
         low, high = (read("bounds", side) for side in pin.bounds)
         sides = bounds_for(pin, selection.name, selection.parameter, selection.index, low, high)
         low, high = sort_with_index(pin, selection, sides, "bounds")
@@ -103,7 +107,10 @@ class Interval(Kind):
             )
 
     @classmethod
-    def merge(cls, name: str, parameter: torch.nn.Parameter, entries: Sequence[Selection]) -> Interval:
+    def merge(
+        cls, name: str, parameter: torch.nn.Parameter, entries: Sequence[Selection],
+        captured: Sequence[Optional[Tensor]] = (),
+    ) -> Interval:
         """Bounds of several pins on one element intersect (the plan has refused empty ones)."""
         dtype = parameter.dtype
         extremes = (-torch.inf, torch.inf) if dtype.is_floating_point else (torch.iinfo(dtype).min,
@@ -141,29 +148,24 @@ class Interval(Kind):
         off = ~((wide >= low.to(torch.float64)) & (wide <= high.to(torch.float64)))
         return off, lambda i: f"bounds [{low[i].item()!r}, {high[i].item()!r}]"
 
-    @classmethod
-    def stored_dtype(cls, saved: SavedSelection) -> Optional[torch.dtype]:
-        return saved.payload["low"].dtype
-
     # ------------------------------------------------------------------------------------
     # Fault-map files: float64 bounds, -inf / +inf for no bound
 
     map_fields = {"low": -math.inf, "high": math.inf}
+    map_fold = {"low": "max", "high": "min"}  # bounds intersect
+    map_words = ("bounded", "bounded")
 
     @classmethod
-    def map_summary(cls, count: int) -> str:
-        return f"{count:,} bounded"
+    def map_entries(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Any]:
+        if selection is None:
+            return dict(zip(("low", "high"), pin.bounds or (None, None)))
+        return super().map_entries(pin, selection)  # float64
 
     @classmethod
-    def map_given(cls, pin: Pin) -> dict[str, Any]:
-        return dict(zip(("low", "high"), pin.bounds or (None, None)))
-
-    @classmethod
-    def map_entries(cls, selection: Selection, flat: Tensor) -> dict[str, Tensor]:
-        return {f: selection.payload[f].detach().cpu().reshape(-1).to(torch.float64) for f in cls.map_fields}
-
-    @classmethod
-    def map_pin(cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any]) -> Pin:
+    def map_pin(
+        cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any],
+        spec: Mapping[str, Tensor], where: str,
+    ) -> Pin:
         count = int(marked.sum())
         pair = tuple(
             fields[f][marked] if f in fields else torch.full((count,), healthy, dtype=torch.float64)
@@ -171,25 +173,8 @@ class Interval(Kind):
         )
         return Pin(pattern, bounds=pair, **select)
 
-    @classmethod
-    def map_merge(cls, where: Callable[[int], str], field: str, target: Tensor, at: Tensor, given: Tensor) -> None:
-        target.scatter_reduce_(0, at, given, reduce="amax" if field == "low" else "amin")  # intersect
-
-    @classmethod
-    def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
-        if "low" in merged and "high" in merged and bool((merged["low"] > merged["high"]).any()):
-            at = int((merged["low"] > merged["high"]).to(torch.int8).argmax())
-            raise PinError(
-                f"save_fault_map: the bounds of {element(at)} do not overlap "
-                f"({merged['low'][at].item()} > {merged['high'][at].item()})"
-            )
-
     # ------------------------------------------------------------------------------------
     # The restore kernel
-
-    @property
-    def elements(self) -> int:
-        return self.target.values.numel() // 2
 
     def _parts(self, tensor: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         view, positions, payload = self.target.part(tensor)

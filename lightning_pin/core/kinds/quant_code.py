@@ -32,8 +32,8 @@ from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds._common import coords as _coords
 from lightning_pin.core.kinds._common import first as _first
 from lightning_pin.core.kinds._common import is_int as _is_int
-from lightning_pin.core.kinds._common import merge_paired, merge_rounds, per_element, shared_positions, sort_with_index
-from lightning_pin.core.kinds.base import Expected, Kind, Reader, Unreadable, read_field
+from lightning_pin.core.kinds._common import merge_paired, per_element, shared_positions, sort_with_index
+from lightning_pin.core.kinds.base import Expected, Kind, Reader, Unreadable
 from lightning_pin.core.selection import SavedSelection, Selection
 from lightning_pin.core.sharding import Target, is_sharded
 from lightning_pin.core.spec import Pin, number_leaves
@@ -260,7 +260,10 @@ class QuantizedCode(Kind):
     #: per selection: the scales (compute dtype; empty for a named scale), the code's
     #: ``[bits, zero_point, signed, axis or -1]`` (int64) and the scale's name (UTF-8, uint8).
     payload_fields = ("stuck_at_zero", "stuck_at_one", "channel", "scale", "spec", "scale_name")
+    selection_fields = ("scale", "spec", "scale_name")
+    named_fields = {"scale": "scale_name"}  # a learned scale: stored beside the weight, by its name
     saved_owner = "the code on "
+    copy_words = "its codes dequantize to"
     mixed_reason = "a quantized code rewrites the whole element at every step, so the other pin would be undone; "
 
     # ------------------------------------------------------------------------------------
@@ -298,11 +301,7 @@ class QuantizedCode(Kind):
     # The plan
 
     @classmethod
-    def resolve(cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any]) -> None:
-        raise PinError(f"{pin!r}: a quantized code is resolved on the module (its scale may be a tensor of it)")
-
-    @classmethod
-    def resolve_in(
+    def resolve(
         cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any], module: nn.Module
     ) -> None:
         code, name, parameter = pin.code, selection.name, selection.parameter
@@ -393,7 +392,10 @@ class QuantizedCode(Kind):
                            f"{element} of {name!r} at 0 and at 1 at overlapping steps")
 
     @classmethod
-    def merge(cls, name: str, parameter: nn.Parameter, entries: Sequence[Selection]) -> QuantizedCode:
+    def merge(
+        cls, name: str, parameter: nn.Parameter, entries: Sequence[Selection],
+        captured: Sequence[Optional[Tensor]] = (),
+    ) -> QuantizedCode:
         if is_sharded(parameter):
             raise PinError(f"quantized codes on {name!r}, a sharded parameter (FSDP2), are not supported: its scale "
                            "would have to be gathered at every step; pin it under DDP or in one process")
@@ -417,19 +419,6 @@ class QuantizedCode(Kind):
     # The pin state
 
     @classmethod
-    def read_saved(
-        cls, index: Optional[Tensor], target: Any, explicit: bool, saved: Mapping[str, Any], at: str,
-        corrupt: Callable[[str], Exception],
-    ) -> SavedSelection:
-        if target is not None or not explicit:
-            raise corrupt(f"{at}: a {cls.kind} selection holds no target and is explicit (it comes from the spec)")
-        shape = None if index is None else (index.numel(),)
-        payload = {f: read_field(saved, f, at, shape, corrupt) for f in ("stuck_at_zero", "stuck_at_one", "channel")}
-        payload.update((f, read_field(saved, f, at, None, corrupt)) for f in ("scale", "spec", "scale_name"))
-        cls.check_saved(payload, at, corrupt)
-        return SavedSelection(index, None, True, cls.kind, payload=payload)
-
-    @classmethod
     def check_saved(cls, payload: Mapping[str, Tensor], at: str, corrupt: Callable[[str], Exception]) -> None:
         spec, zero, one = payload["spec"], payload["stuck_at_zero"], payload["stuck_at_one"]
         if spec.dtype != torch.int64 or tuple(spec.shape) != (4,) or not 2 <= int(spec[0]) <= 16:
@@ -446,16 +435,6 @@ class QuantizedCode(Kind):
 
     # ------------------------------------------------------------------------------------
     # Stored tensors
-
-    @classmethod
-    def stored_bind(cls, saved: SavedSelection, tensors: Mapping[str, Tensor]) -> SavedSelection:
-        """A named scale is read from the artifact's own tensors (by its name)."""
-        name = bytes(saved.payload["scale_name"].tolist()).decode()
-        if not name or name not in tensors:
-            return saved
-        payload = dict(saved.payload)
-        payload["scale"] = tensors[name].detach().reshape(-1)
-        return SavedSelection(saved.index, None, True, cls.kind, payload=payload)
 
     @classmethod
     def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
@@ -484,35 +463,44 @@ class QuantizedCode(Kind):
         off = held != flat
         return off, lambda i: _describe_code(codes, zero, one, held, bits, i)
 
-    @classmethod
-    def stored_dtype(cls, saved: SavedSelection) -> Optional[torch.dtype]:
-        return None
-
     # ------------------------------------------------------------------------------------
     # Fault-map files: the code-bit masks as int64 patterns (0: no stuck bit) and the code
 
     map_fields = {"code_stuck_at_zero": 0, "code_stuck_at_one": 0}
     map_bits = True
+    map_fold = {"code_stuck_at_zero": "or", "code_stuck_at_one": "or"}
+    map_words = ("with stuck code bits", "with stuck code bits")
+    bit_words = "code bits"
 
     map_spec_fields = ("code", "code_scale", "code_scale_name")
 
     @classmethod
-    def map_spec(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Tensor]:
-        """``code``: int64 ``[bits, zero_point, signed, has axis, axis]``; ``code_scale`` (float64) or
+    def map_entries(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Any]:
+        """The code-bit masks (``code_stuck_at_zero`` / ``code_stuck_at_one``, int64) and, per parameter,
+        ``code``: int64 ``[bits, zero_point, signed, has axis, axis]``; ``code_scale`` (float64) or
         ``code_scale_name`` (UTF-8 bytes, uint8) for a learned scale."""
-        code = pin.code if selection is None else selection.context["code"]
-        spec = {"code": torch.tensor([code.bits, code.zero_point, int(code.signed), int(code.axis is not None),
-                                      0 if code.axis is None else code.axis], dtype=torch.int64)}
-        if code.named:
-            spec["code_scale_name"] = torch.tensor(list(code.scale.encode()), dtype=torch.uint8)
+        if selection is None:
+            code = pin.code
+            entries: dict[str, Any] = {"code_stuck_at_zero": pin.stuck_at_zero, "code_stuck_at_one": pin.stuck_at_one}
         else:
-            spec["code_scale"] = torch.as_tensor(code.scale).detach().cpu().reshape(-1).to(torch.float64)
-        return spec
+            code = selection.context["code"]
+            entries = {f"code_{f}": selection.payload[f].detach().cpu().reshape(-1).to(torch.int64)
+                       for f in ("stuck_at_zero", "stuck_at_one")}
+        entries["code"] = torch.tensor([code.bits, code.zero_point, int(code.signed), int(code.axis is not None),
+                                        0 if code.axis is None else code.axis], dtype=torch.int64)
+        if code.named:
+            entries["code_scale_name"] = torch.tensor(list(code.scale.encode()), dtype=torch.uint8)
+        else:
+            entries["code_scale"] = torch.as_tensor(code.scale).detach().cpu().reshape(-1).to(torch.float64)
+        return entries
 
     @classmethod
-    def map_spec_pin(cls, spec: Mapping[str, Tensor], where: str) -> dict[str, Any]:
+    def map_pin(
+        cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any],
+        spec: Mapping[str, Tensor], where: str,
+    ) -> Pin:
         if not spec:
-            return {}
+            raise PinError(f"load_fault_map: {pattern!r} has stuck code bits but the file holds no code for it")
         raw = spec.get("code")
         if raw is None or raw.dtype != torch.int64 or tuple(raw.shape) != (5,):
             raise PinError(f"{where}: a code must be an int64 tensor [bits, zero_point, signed, has axis, axis]")
@@ -524,53 +512,9 @@ class QuantizedCode(Kind):
             scale = float(values[0]) if values.numel() == 1 else values.clone()
         else:
             raise PinError(f"{where}: a code without its scale (code_scale, or code_scale_name for a learned one)")
-        return {"code": QuantCode(bits, scale, zero_point, axis if has_axis else None, bool(signed))}
-
-    @classmethod
-    def map_summary(cls, count: int) -> str:
-        return f"{count:,} with stuck code bits"
-
-    @classmethod
-    def map_given(cls, pin: Pin) -> dict[str, Any]:
-        return {"code_stuck_at_zero": pin.stuck_at_zero, "code_stuck_at_one": pin.stuck_at_one}
-
-    @classmethod
-    def map_entries(cls, selection: Selection, flat: Tensor) -> dict[str, Tensor]:
-        return {f"code_{f}": selection.payload[f].detach().cpu().reshape(-1).to(torch.int64)
-                for f in ("stuck_at_zero", "stuck_at_one")}
-
-    @classmethod
-    def map_pin(cls, pattern: str, fields: Mapping[str, Tensor], marked: Tensor, select: dict[str, Any]) -> Pin:
-        code = select.pop("code", None)
-        if code is None:
-            raise PinError(f"load_fault_map: {pattern!r} has stuck code bits but the file holds no code for it")
+        code = QuantCode(bits, scale, zero_point, axis if has_axis else None, bool(signed))
         masks = {f: fields[f"code_{f}"][marked] for f in ("stuck_at_zero", "stuck_at_one") if f"code_{f}" in fields}
         return Pin(pattern, code=code, **masks, **select)
-
-    @classmethod
-    def map_merge(cls, where: Callable[[int], str], field: str, target: Tensor, at: Tensor, given: Tensor) -> None:
-        merge_rounds(target, at, given, lambda rows, before, entries: before | entries)
-
-    @classmethod
-    def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
-        zero, one = merged.get("code_stuck_at_zero"), merged.get("code_stuck_at_one")
-        if zero is not None and one is not None and bool((zero & one).any()):
-            at = int((zero & one).ne(0).to(torch.int8).argmax())
-            raise PinError(f"save_fault_map: {element(at)} has code bits {int(zero[at] & one[at]):#x} stuck at "
-                           "zero and at one")
-
-    @classmethod
-    def word_rewrite(
-        cls, selection: Selection, word: torch.dtype, count: int
-    ) -> Optional[Callable[[Tensor], Tensor]]:
-        parameter = selection.parameter
-        kernel = cls.merge(selection.name, parameter, [selection])
-
-        def rewrite(old: Tensor) -> Tensor:
-            values = old.view(parameter.dtype).clone()
-            return kernel._held(values, values.device).view(old.dtype)
-
-        return rewrite
 
     # ------------------------------------------------------------------------------------
     # The restore kernel
@@ -582,10 +526,6 @@ class QuantizedCode(Kind):
         #: The fixed scales (compute dtype) or the module's named tensor (read at every restore).
         self.scale = scale
         self._compute = compute_dtype(target.parameter.dtype)
-
-    @property
-    def elements(self) -> int:
-        return self.target.values.numel() // 2
 
     def _scales(self, device: torch.device) -> Tensor:
         scale = self.scale.detach().reshape(-1).to(device=device, dtype=self._compute)
@@ -661,14 +601,6 @@ class QuantizedCode(Kind):
         held = dequantize(stick(codes, zero, one, code.bits, code.signed), s, code.zero_point, actual.dtype)
         off = held != actual
         return actual, off, lambda i: _describe_code(codes, zero, one, held, code.bits, i)
-
-    def refuse_copy(self, tensor: Tensor) -> Optional[str]:
-        parameter = self.target.parameter
-        if tensor.dtype != parameter.dtype:
-            return (f"verify: {self.name!r} is {tensor.dtype} here but its codes dequantize to {parameter.dtype}; "
-                    "verify a copy in the parameter's dtype")
-        return None
-
 
 def _describe_code(codes: Tensor, zero: Tensor, one: Tensor, held: Tensor, bits: int, i: int) -> str:
     """``"code 0x5a, stuck at 1: 0x01, stuck at 0: 0x40, wrong: 0x01; expected 0.25"`` for one element."""

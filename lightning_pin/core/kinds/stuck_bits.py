@@ -23,7 +23,7 @@ from lightning_pin.core.kinds._common import clip as _clip
 from lightning_pin.core.kinds._common import coords as _coords
 from lightning_pin.core.kinds._common import first as _first
 from lightning_pin.core.kinds._common import is_int as _is_int
-from lightning_pin.core.kinds._common import merge_paired, merge_rounds, per_element, shared_positions, sort_with_index
+from lightning_pin.core.kinds._common import merge_paired, per_element, shared_positions, sort_with_index
 from lightning_pin.core.kinds.base import Expected, Kind, Reader, Unreadable, show
 from lightning_pin.core.selection import SavedSelection, Selection
 from lightning_pin.core.sharding import Target
@@ -74,6 +74,7 @@ class StuckBits(Kind):
     off_words = "with stuck bits off"
     pin_fields = ("stuck_at_zero", "stuck_at_one")
     payload_fields = ("stuck_at_zero", "stuck_at_one")
+    copy_words = "its stuck bits are bits of"
 
     # ------------------------------------------------------------------------------------
     # The spec
@@ -108,7 +109,9 @@ class StuckBits(Kind):
     # The plan
 
     @classmethod
-    def resolve(cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any]) -> None:
+    def resolve(
+        cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any], module: torch.nn.Module
+    ) -> None:
         raws = []
         for field in ("stuck_at_zero", "stuck_at_one"):
             source = getattr(pin, field)
@@ -162,7 +165,10 @@ class StuckBits(Kind):
         )
 
     @classmethod
-    def merge(cls, name: str, parameter: torch.nn.Parameter, entries: Sequence[Selection]) -> StuckBits:
+    def merge(
+        cls, name: str, parameter: torch.nn.Parameter, entries: Sequence[Selection],
+        captured: Sequence[Optional[Tensor]] = (),
+    ) -> StuckBits:
         """Stuck bits of several pins on one element combine: their masks are OR-ed."""
         dtype = BITS_DTYPES[parameter.dtype]
         pairs = [(e.payload["stuck_at_zero"], e.payload["stuck_at_one"]) for e in entries]
@@ -202,46 +208,11 @@ class StuckBits(Kind):
 
     map_fields = {"stuck_at_zero": 0, "stuck_at_one": 0}
     map_bits = True
-
-    @classmethod
-    def map_summary(cls, count: int) -> str:
-        return f"{count:,} with stuck bits"  # elements
-
-    @classmethod
-    def map_entries(cls, selection: Selection, flat: Tensor) -> dict[str, Tensor]:
-        return {f: unsigned(selection.payload[f].detach().cpu().reshape(-1)) for f in cls.map_fields}
-
-    @classmethod
-    def map_merge(cls, where: Callable[[int], str], field: str, target: Tensor, at: Tensor, given: Tensor) -> None:
-        merge_rounds(target, at, given, lambda rows, before, entries: before | entries)
-
-    @classmethod
-    def map_check(cls, merged: Mapping[str, Tensor], element: Callable[[int], str]) -> None:
-        zero, one = merged.get("stuck_at_zero"), merged.get("stuck_at_one")
-        if zero is not None and one is not None and bool((zero & one).any()):
-            at = int((zero & one).ne(0).to(torch.int8).argmax())
-            raise PinError(
-                f"save_fault_map: {element(at)} has bits {int(zero[at] & one[at]):#x} stuck at zero and at one"
-            )
-
-    @classmethod
-    def word_rewrite(
-        cls, selection: Selection, word: torch.dtype, count: int
-    ) -> Optional[Callable[[Tensor], Tensor]]:
-        zero, one = selection.payload["stuck_at_zero"], selection.payload["stuck_at_one"]
-
-        def rewrite(old: Tensor) -> Tensor:
-            new = old & ~zero.reshape(-1).to(device=old.device, dtype=word)
-            return (new | one.reshape(-1).to(device=old.device, dtype=word)).to(old.dtype)
-
-        return rewrite
+    map_fold = {"stuck_at_zero": "or", "stuck_at_one": "or"}
+    map_words = ("with stuck bits", "with stuck bits")  # elements
 
     # ------------------------------------------------------------------------------------
     # The restore kernel
-
-    @property
-    def elements(self) -> int:
-        return self.target.values.numel() // 2
 
     def _bits(self, tensor: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         view, positions, payload = self.target.part(tensor)
@@ -303,16 +274,6 @@ class StuckBits(Kind):
         actual, keep, set_ = self._flat(tensor)
         off = ((actual & ~keep) | (~actual & set_)) != 0
         return actual.view(tensor.dtype), off, lambda position: _describe_bits(actual, keep, set_, position)
-
-    def refuse_copy(self, tensor: Tensor) -> Optional[str]:
-        parameter = self.target.parameter
-        if tensor.dtype != parameter.dtype:
-            return (
-                f"verify: {self.name!r} is {tensor.dtype} here but its stuck bits are bits of "
-                f"{parameter.dtype}; verify a copy in the parameter's dtype"
-            )
-        return None
-
 
 def _describe_bits(actual: Tensor, keep: Tensor, set_: Tensor, position: int) -> str:
     """``"bits 0x..., stuck at 1: 0x..., stuck at 0: 0x..., wrong: 0x..."`` for one element."""

@@ -1,30 +1,32 @@
 """The value kind: the selected elements equal a target bit for bit, and are frozen.
 
 A pin with none of the other kinds' fields is a value pin (``Pin("enc.*")`` freezes, ``value=``
-forces). Its elements' gradients are masked and their optimizer statistics zeroed, targets of
-several value pins on one parameter are merged by the engine (an explicit value beats a captured
-one), and ``value=None`` targets are captured when the pin activates.
+forces). It is ``frozen``: its elements' gradients are masked and their optimizer statistics
+zeroed, and ``value=None`` targets are captured when the pin activates. Targets of several value
+pins on one parameter merge in :meth:`ExactValue.merge` (an explicit value beats a captured one),
+into a kernel like any other kind's.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.utils.weak
 from torch import Tensor
 
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds._common import clip as _clip
 from lightning_pin.core.kinds._common import is_int as _is_int
-from lightning_pin.core.kinds._common import merge_rounds, sort_with_index
+from lightning_pin.core.kinds._common import sort_with_index
 from lightning_pin.core.kinds.base import Expected, Kind, Reader
+from lightning_pin.core.layouts import _Layout
 from lightning_pin.core.selection import SavedSelection, Selection
-from lightning_pin.core.sharding import copy_at
+from lightning_pin.core.sharding import Target, copy_at
 from lightning_pin.core.spec import Pin, check_value, number_leaves
 
 __all__ = ["ExactValue", "differs"]
@@ -51,10 +53,17 @@ class ExactValue(Kind):
     off_words = "off target"
     pin_fields = ("value",)
     frozen = True
+    example = "{coords}: {actual!r} != {expected!r}"
+    map_fields = {"value": math.nan}
+    map_keeps_dtype = True  # stuck values keep the pins' dtype (float32 values stay float32)
+    map_fold = {"value": "same"}
+    map_words = ("stuck value", "stuck values")
     mixed_reason = "a value fixes every bit, so nothing is left to fault; "
 
     @classmethod
-    def resolve(cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any]) -> None:
+    def resolve(
+        cls, pin: Pin, selection: Selection, read: Reader, warn: Callable[[str], Any], module: torch.nn.Module
+    ) -> None:
         raw = None
         if pin.value is not None:
             raw = read("value", pin.value)
@@ -96,32 +105,27 @@ class ExactValue(Kind):
             )
 
     @classmethod
-    def saved(cls, selection: Selection, captured: Optional[Tensor]) -> SavedSelection:
-        explicit = selection.values is not None
-        return SavedSelection(selection.index, selection.values if explicit else captured, explicit)
+    def merge(
+        cls, name: str, parameter: torch.nn.Parameter, entries: Sequence[Selection],
+        captured: Sequence[Optional[Tensor]] = (),
+    ) -> Optional[ExactValue]:
+        """The targets of several value pins on one parameter, captured ones first and explicit ones
+        after, later entries winning: an explicit value beats a captured one (the plan has refused two
+        different explicit values that can be active together). None while no entry holds a target
+        (``value=None`` pins not captured yet).
 
-    @classmethod
-    def read_saved(
-        cls, index: Optional[Tensor], target: Any, explicit: bool, saved: Mapping[str, Any], at: str,
-        corrupt: Callable[[str], Exception],
-    ) -> SavedSelection:
-        if target is None and explicit:
-            raise corrupt(f"{at}: an explicit pin without a target")
-        return SavedSelection(index, target, explicit)
-
-    @classmethod
-    def saved_differs(cls, selection: Selection, saved: SavedSelection, name: str) -> list[str]:
-        index, target = saved.index, saved.target
-        if target is None:
-            return []
-        if tuple(target.shape) != (tuple(selection.parameter.shape) if index is None else (index.numel(),)):
-            return [f"the saved targets of {name!r} have shape {tuple(target.shape)}"]
-        stored = target.to(selection.parameter.dtype)
-        if not torch.equal(stored.to(target.dtype), target):
-            return [f"the saved targets of {name!r} do not fit {selection.parameter.dtype}"]
-        if selection.values is not None and not torch.equal(stored, selection.values.cpu()):
-            return [f"the explicit values for {name!r} differ from the saved ones"]
-        return []
+        Where each merged value comes from depends only on the selections, never on the values: it is
+        worked out once per combination of selections (it syncs with the host) and kept, so that a
+        ``when`` pin re-capturing at every activation merges its targets without a sync.
+        """
+        captured = list(captured) or [None] * len(entries)
+        parts = [(e, c) for e, c in zip(entries, captured) if e.values is None and c is not None]
+        parts += [(e, e.values) for e in entries if e.values is not None]
+        if not parts:
+            return None
+        layout = _layout(entries[0], [(e, e.values is not None) for e, _ in parts])
+        index, values = layout.apply([values for _, values in parts])
+        return cls(Target(name, parameter, index, values, _by_strides=layout.by_strides))
 
     @classmethod
     def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
@@ -129,71 +133,19 @@ class ExactValue(Kind):
         return differs(values, target), lambda i: target[i].item()
 
     @classmethod
-    def stored_dtype(cls, saved: SavedSelection) -> Optional[torch.dtype]:
-        return None if saved.target is None else saved.target.dtype
-
-    map_fields = {"value": math.nan}
-
-    @classmethod
-    def map_summary(cls, count: int) -> str:
-        return f"{count:,} stuck value{'s' if count != 1 else ''}"
-
-    @classmethod
-    def map_given(cls, pin: Pin) -> dict[str, Any]:
-        if pin.value is None:
-            raise PinError(
-                f"save_fault_map: {pin!r} has no value (value=None keeps what the weights hold when it activates): "
-                "save_fault_map(pins, path, module=model) saves what they hold now"
-            )
-        return {"value": pin.value}
-
-    @classmethod
-    def map_entries(cls, selection: Selection, flat: Tensor) -> dict[str, Tensor]:
+    def map_entries(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Any]:
+        if selection is None:
+            if pin.value is None:
+                raise PinError(
+                    f"save_fault_map: {pin!r} has no value (value=None keeps what the weights hold when it activates): "
+                    "save_fault_map(pins, path, module=model) saves what they hold now"
+                )
+            return {"value": pin.value}
         values, parameter = selection.values, selection.parameter.detach()
         if values is None:  # value=None: the elements are stuck at what they hold now
-            values = parameter.reshape(-1)[flat.to(parameter.device)]
+            flat = parameter.reshape(-1)
+            values = flat if selection.index is None else flat[selection.index.to(parameter.device).long()]
         return {"value": values.detach().cpu().reshape(-1)}
-
-    @classmethod
-    def map_marked(cls, fields: Mapping[str, Tensor]) -> Optional[Tensor]:
-        value = fields.get("value")
-        return None if value is None else ~value.isnan()  # NaN: healthy
-
-    @classmethod
-    def map_dtype(cls, field: str, given: Sequence[Tensor]) -> torch.dtype:
-        # Stuck values keep the pins' dtype (float32 values stay float32), widened to hold them all.
-        return functools.reduce(torch.promote_types, [t.dtype for t in given])
-
-    @classmethod
-    def map_merge(cls, where: Callable[[int], str], field: str, target: Tensor, at: Tensor, given: Tensor) -> None:
-        def agree(rows: Tensor, before: Tensor, entries: Tensor) -> Tensor:
-            clash = ~before.isnan() & (before != entries)
-            if bool(clash.any()):
-                raise PinError(
-                    f"save_fault_map: {where(int(rows[clash.to(torch.int8).argmax()]))} is given two different "
-                    "stuck values"
-                )
-            return entries
-
-        merge_rounds(target, at, given, agree)
-
-    @classmethod
-    def word_rewrite(
-        cls, selection: Selection, word: torch.dtype, count: int
-    ) -> Optional[Callable[[Tensor], Tensor]]:
-        if selection.values is None:
-            return None  # captured when the pin activates: no word yet
-        value = selection.values.reshape(-1).to(selection.parameter.dtype).expand(count).contiguous()
-        new = value.view(word)
-        return lambda old: new
-
-    @classmethod
-    def show_example(cls, coords: tuple[int, ...], actual: Any, expected: Any) -> str:
-        return f"{coords}: {actual!r} != {expected!r}"
-
-    @property
-    def elements(self) -> int:
-        return self.target.values.numel()
 
     def apply(self, tensor: Tensor) -> None:
         view, positions, values = self.target.part(tensor)
@@ -204,6 +156,24 @@ class ExactValue(Kind):
         else:
             copy_at(view, positions.to(view.device), values)
 
+    def kernel(self) -> Optional[Callable[[], None]]:
+        target = self.target
+        if target.index is not None:
+            return target.kernel()  # put_ / index_copy_ of the targets, constants bound
+        dense = self._dense()
+        if dense is None:
+            return None
+        parameter, ptr, view, _ = dense
+        values, apply = target.values, self.apply
+
+        def write_whole() -> None:
+            if parameter.data_ptr() != ptr:
+                apply(parameter.data)
+            else:
+                view.copy_(values)
+
+        return write_whole
+
     def drift(self, tensor: Tensor) -> Tensor:
         _, _, values, actual = self._elements(tensor)
         deviation = (actual - values.reshape(-1).to(actual.device)).abs()
@@ -213,6 +183,22 @@ class ExactValue(Kind):
         _, _, values, actual = self._elements(tensor)
         expected = values.reshape(-1).to(actual.device)
         return actual, actual != expected, lambda position: expected[position].item()
+
+
+# Merge layouts of value targets, kept with the first selection of the merge (so as long as the plan
+# lives) by the selections merged and whether each gives explicit values (see ExactValue.merge).
+_LAYOUTS: torch.utils.weak.WeakIdKeyDictionary = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def _layout(owner: Selection, parts: list[tuple[Selection, bool]]) -> _Layout:
+    key = tuple((id(selection), explicit) for selection, explicit in parts)
+    cache = _LAYOUTS.get(owner)
+    if cache is None:
+        cache = _LAYOUTS[owner] = {}
+    found = cache.get(key)
+    if found is None or any(a is not b for a, b in zip(found.indices, [s.index for s, _ in parts])):
+        found = cache[key] = _Layout.of([selection.index for selection, _ in parts])
+    return found
 
 
 def differs(ta: Tensor, tb: Tensor) -> Tensor:
