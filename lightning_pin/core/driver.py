@@ -165,6 +165,9 @@ class StepDriver:
         self.engine = engine
         self.buffers = buffers
         self.outputs: Mapping[str, Any] = {} if outputs is None else outputs
+        #: The optimizer step the pins' windows refer to, as last given (pin(): the first optimizer's
+        #: completed steps; PinCallback: Lightning's ``global_step``).
+        self.step = 0
         #: Ids of the ``when`` pins the last decided batch asked for (kept until the next batch).
         self.hits: frozenset[int] = frozenset()
         #: Pins activated before the optimizers were attached: their statistics are zeroed right before
@@ -184,6 +187,7 @@ class StepDriver:
             PinError: a ``when`` answered badly, here or on another rank.
         """
         engine = self.engine
+        self.step = step
         if engine.plan.pins:
             reduce_max, agree = self.reduce_max, None
             if reduce_max is not None:
@@ -207,6 +211,7 @@ class StepDriver:
         Returns the ids of the pins that started. Runs on every step: a steady step computes nothing.
         """
         engine = self.engine
+        self.step = step
         ids = engine.ids_at(step, self.hits)
         # set_active would find them equal and change nothing: a steady step does not call it.
         started = [] if ids is engine.active or ids == engine.active else engine.set_active(ids)
@@ -223,6 +228,7 @@ class StepDriver:
         resume): the first forward sees them, whatever the loaded weights held. The buffers the pins
         hold are taken afresh from the module (loaded weights hold what the saved run held)."""
         engine = self.engine
+        self.step = step
         engine.set_active(engine.ids_at(step, self.hits))
         engine.force()
         for hold in self.outputs.values():

@@ -123,8 +123,6 @@ class PinHandle:
         self.engine = engine
         #: Default of :meth:`load_state_dict`'s ``strict``.
         self.strict = strict
-        #: Completed steps of the first optimizer: the step the pins' windows refer to.
-        self.step = 0
         # Ids of the optimizers that may step: batch_start ran since their last step. Per
         # optimizer, so one batch_start covers a batch that steps several of them.
         self._decided: set[int] = set()
@@ -166,6 +164,11 @@ class PinHandle:
         self._unhooked: list[tuple[str, nn.Parameter]] = []
         # Averaged copies that hold the pins (see hold): id -> (what it is, its module, its handle).
         self._held: dict[int, tuple[str, nn.Module, Any]] = {}
+
+    @property
+    def step(self) -> int:
+        """Completed steps of the first optimizer: the step the pins' windows refer to."""
+        return self._driver.step
 
     def _attach(self) -> None:
         engine = self.engine
@@ -234,7 +237,7 @@ class PinHandle:
         self._refuse_if_removed("batch_start")
         self._check_module("handle.batch_start")
         self._driver.reduce_max = torch_collective()
-        self._driver.decide(self.step, batch, batch_idx)
+        self._driver.decide(self._driver.step, batch, batch_idx)
         self._decided = {id(o) for o in self.optimizers}
 
     def _after_backward(self) -> None:
@@ -326,10 +329,10 @@ class PinHandle:
         self._masked_for.discard(id(optimizer))
         if optimizer is not self.optimizers[0]:
             return
-        self.step += 1
-        # Pins whose window starts now are forced before the next forward; when pins keep this
-        # batch's decision until the next batch_start.
-        self._driver.advance(self.step)
+        # Counts the step. Pins whose window starts now are forced before the next forward; when pins
+        # keep this batch's decision until the next batch_start.
+        driver = self._driver
+        driver.advance(driver.step + 1)
 
     # ------------------------------------------------------------------------------------------
     # Checks and state
@@ -349,7 +352,7 @@ class PinHandle:
         if module is None:
             self._check_module("handle.verify")
         engine = self.engine
-        pin_ids = engine.last_step_active if engine.last_step_active is not None else engine.active
+        pin_ids = engine.checked_ids
         parameters = None if module is None else dict(unwrap(module).named_parameters(remove_duplicate=False))
         violations: list[Any] = engine.violations(parameters, pin_ids)
         violations += self.buffers.violations(None if module is None else unwrap(module))
@@ -485,9 +488,9 @@ class PinHandle:
             # optimizer state already reflects that (pins that start afresh are activated below).
             self._driver.pending_reset = []
             if saved.step is not None:
-                self.step = saved.step
+                self._driver.step = saved.step
         # Forces the saved targets; the loaded weights hold the buffers the saved run held: the held values.
-        self._driver.force(self.step)
+        self._driver.force(self._driver.step)
         load_outputs(self.outputs, state, self.strict if strict is None else strict, self.step)
 
     def remove(self) -> None:
