@@ -45,8 +45,8 @@ __all__ = ["PinCallback"]
 _VERIFY_CHOICES = ("step", "epoch", "end", "never")
 # Lightning precisions that cast the parameters themselves, in strategy.setup.
 _TRUE_PRECISION = {"16-true": torch.float16, "bf16-true": torch.bfloat16}
-# Live callbacks by their pins' fingerprints (see state_key).
-_LIVE: dict[tuple[str, ...], weakref.WeakSet] = {}
+# Unfitted callbacks by their pins' fingerprints (see state_key). Fitting ones are in core's LIVE registry.
+_UNFITTED: dict[tuple[str, ...], weakref.WeakSet] = {}
 
 
 class PinCallback(Callback):
@@ -130,7 +130,7 @@ class PinCallback(Callback):
         self.outputs: dict[str, Any] = {}
         self._fingerprints = [p.fingerprint() for p in self.pins]
         # Unfitted live callbacks with these pins (see state_key); a fit takes this one out.
-        twins = _LIVE.setdefault(tuple(self._fingerprints), weakref.WeakSet())
+        twins = _UNFITTED.setdefault(tuple(self._fingerprints), weakref.WeakSet())
         self._copy_index = len(twins)
         twins.add(self)
         self.strict = strict
@@ -226,7 +226,7 @@ class PinCallback(Callback):
         self._fitting = True
         LIVE.add(module, self, "PinCallback")
         self._applied = False
-        _LIVE.get(tuple(self._fingerprints), set()).discard(self)
+        _UNFITTED.get(tuple(self._fingerprints), set()).discard(self)
         if self.monitor is not None:
             self.monitor.setup(trainer, module, self.engine)
         if self._loaded_state is not None:

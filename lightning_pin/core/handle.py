@@ -555,8 +555,8 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     Raises:
         PinError: ``module`` is not an ``nn.Module``; no optimizer is given; a pin cannot be
             honoured (named, with what would be right); it gives an element another value than a
-            live handle on the same module; or the ranks of a distributed run resolved different
-            pins. No weight has changed and no hook is left behind. Later, at a step: an
+            live handle or a fitting PinCallback on the same module; or the ranks of a distributed
+            run resolved different pins. No weight has changed and no hook is left behind. Later, at a step: an
             optimizer not in ``optimizers`` is about to update a pinned parameter (refused before
             its update). A pinned parameter no optimizer holds yet is fine: a param group added to
             one of ``optimizers`` later (``add_param_group``) is covered from its first step.
