@@ -178,19 +178,19 @@ def _batches(steps: int) -> list[torch.Tensor]:
 
 def test_the_driver_by_hand_steps_a_loop_exactly_as_pin_does():
     steps = 6
-    # The driver, driven by hand: decide before the forward, mask after backward, the engine restores
-    # after the step, advance to the next step.
+    # The driver, driven by hand as Lightning's hooks drive it: decide before the forward, mask before
+    # the step (pin() masks as backward accumulates), the engine restores after it, advance.
     model = _net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     engine = PinEngine(resolve(_pins(), model))
-    driver = StepDriver(engine, BufferHold(engine.plan, model))
+    driver = StepDriver(engine, BufferHold(engine.plan, model), optimizers=[optimizer])
     driver.pending_reset = [i for i in driver.advance(0) if engine.plan.pins[i].when is None]
     hooks = engine.attach([optimizer])
     for step, x in enumerate(_batches(steps)):
         driver.decide(step, x, step)
         model(x).square().sum().backward()
-        engine.mask_grads(optimizer)
-        driver.reset_statistics([optimizer])
+        driver.before_step(optimizer)
+        assert driver.pending_reset == []
         optimizer.step()
         optimizer.zero_grad()
         driver.advance(step + 1)
@@ -240,6 +240,21 @@ def test_a_steady_advance_touches_neither_the_active_set_nor_the_buffers(monkeyp
     for step in range(1, 5):
         assert driver.advance(step) == []
     assert calls == []
+
+
+def test_before_step_masks_or_only_drops_whole_gradients_as_the_door_says():
+    for masked_at_backward in (False, True):
+        model = _net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = PinEngine(resolve([Pin("0.weight", indices=[(1, 1)], value=0.0), Pin("2.bias")], model))
+        driver = StepDriver(engine, BufferHold(engine.plan, model), optimizers=[optimizer],
+                            masked_at_backward=masked_at_backward)
+        driver.advance(0)
+        model(torch.randn(8, 4)).square().sum().backward()
+        driver.before_step(optimizer)
+        assert model[2].bias.grad is None  # a wholly pinned tensor: dropped either way
+        # An element: masked here, or left to the door that masks at backward (no hooks in this test).
+        assert (model[0].weight.grad[1, 1] == 0).item() != masked_at_backward
 
 
 def test_reset_statistics_zeroes_the_pending_pins_once():

@@ -221,7 +221,8 @@ class PinCallback(Callback):
         self.buffers = BufferHold(plan, module)
         # A `when` decision of the last fit's last batch holds until this fit's first batch decides.
         hits = frozenset() if self._driver is None else self._driver.hits
-        self._driver = StepDriver(self.engine, self.buffers, self.outputs, reduce_max, pl_module.device)
+        self._driver = StepDriver(self.engine, self.buffers, self.outputs, reduce_max, pl_module.device,
+                                  optimizers=trainer.optimizers)
         self._driver.hits = hits
         self._fitting = True
         LIVE.add(module, self, "PinCallback")
@@ -353,7 +354,7 @@ class PinCallback(Callback):
             self._refuse_changed_parameter()
         # Under manual optimization global_step moves inside a batch: re-check the windows.
         self._driver.advance(trainer.global_step, outputs=False)
-        self.engine.mask_grads(optimizer)
+        self._driver.before_step(optimizer)
 
     def _refuse_changed_parameter(self) -> None:
         name, change = self._watch.first_change() or ("?", "replaced")

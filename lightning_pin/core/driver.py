@@ -150,6 +150,10 @@ class StepDriver:
         outputs: The output kinds' runtimes (stuck neurons), by kind name: told the step.
         reduce_max: The processes' collective for ``when`` decisions; None in a single process.
         device: Where the flags of that collective go (default: the pinned parameters' device).
+        optimizers: The optimizers the pins are attached to (their statistics are zeroed).
+        masked_at_backward: Whether the door zeroes pinned gradients as backward accumulates them
+            (pin(): autograd's hooks); else :meth:`before_step` masks them (Lightning's
+            ``on_before_optimizer_step``: after the all-reduce and the unscale, before clipping).
 
     Example: see the module's docstring.
     """
@@ -161,6 +165,8 @@ class StepDriver:
         outputs: Optional[Mapping[str, Any]] = None,
         reduce_max: Optional[Collective] = None,
         device: Optional[torch.device] = None,
+        optimizers: Sequence[Optimizer] = (),
+        masked_at_backward: bool = False,
     ) -> None:
         self.engine = engine
         self.buffers = buffers
@@ -176,6 +182,8 @@ class StepDriver:
         #: The processes' collective for ``when`` decisions (None: a single process).
         self.reduce_max = reduce_max
         self._device = device
+        self.optimizers = optimizers
+        self.masked_at_backward = masked_at_backward
         # The active set the buffers were last updated for (updated again only when it changes).
         self._buffers_active: Optional[frozenset[int]] = None
 
@@ -236,9 +244,25 @@ class StepDriver:
         self.buffers.update(engine.active, recapture=True)
         self._buffers_active = engine.active
 
+    def before_step(self, optimizer: Optimizer) -> None:
+        """Right before ``optimizer``'s update: zero the statistics :attr:`pending_reset` names, and keep
+        the pinned gradients out of the update (masked now, or where the door masked them at backward,
+        the gradients of wholly pinned tensors dropped: every torch optimizer then skips them).
+
+        Runs on every step: a steady step of the pin() door makes no call from here.
+        """
+        if self.pending_reset:
+            self.reset_statistics(self.optimizers)
+        engine = self.engine
+        if not self.masked_at_backward:
+            engine.mask_grads(optimizer)  # drops the whole tensors' gradients too
+        elif engine.has_whole_pins:
+            engine.drop_whole_grads(optimizer)
+
     def reset_statistics(self, optimizers: Iterable[Optimizer]) -> None:
-        """Right before the first step after activation: zero the optimizer statistics of the pins in
-        :attr:`pending_reset` (the optimizers were attached after those pins started)."""
+        """Zero the optimizer statistics of the pins in :attr:`pending_reset`, once: they started before
+        the optimizers were attached (pin() activates the pins of step 0 first, and a resume may load the
+        optimizers' state in between: it then empties :attr:`pending_reset`)."""
         pending, self.pending_reset = self.pending_reset, []
         for optimizer in optimizers:
             self.engine.reset_optimizer_state(optimizer, pending)

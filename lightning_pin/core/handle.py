@@ -135,7 +135,8 @@ class PinHandle:
         # hooks to it. Its pending_reset: step-window pins that pin() activated, whose optimizer
         # statistics are zeroed right before the first step rather than in pin(): a resume may load the
         # optimizer's state after pin(), and load_state_dict() then cancels it (the saved run zeroed them).
-        self._driver = StepDriver(engine, self.buffers, self.outputs)
+        self._driver = StepDriver(engine, self.buffers, self.outputs, optimizers=self.optimizers,
+                                  masked_at_backward=True)
         self._compile_step = compile_step
         # What each pinned parameter was when the pins were resolved (core/modules.py): a step is
         # refused if the module holds another object under the name, or the tensor was cast or moved.
@@ -319,10 +320,7 @@ class PinHandle:
                 "optimizer's last step: call it before each batch's forward, so the pin knows whether this "
                 "batch is pinned"
             )
-        if self._driver.pending_reset:
-            self._driver.reset_statistics(self.optimizers)
-        if self.engine.has_whole_pins:
-            self.engine.drop_whole_grads(optimizer)
+        self._driver.before_step(optimizer)
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._decided.discard(id(optimizer))
