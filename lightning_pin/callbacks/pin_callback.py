@@ -214,7 +214,7 @@ class PinCallback(Callback):
         reduce_max = _collective(trainer)
         ranks_agree(plan, rejected, reduce_max, pl_module.device,
                     rank=trainer.global_rank, stops="every rank stops before training")
-        _check_other_pin_callbacks(trainer, self, plan)
+        _check_other_pin_callbacks(trainer, self)
         LIVE.refuse_conflicts(plan, module, "PinCallback")
         self.engine = PinEngine(plan)
         self.outputs = outputs
@@ -571,7 +571,7 @@ def _collective(trainer: pl.Trainer) -> Optional[Collective]:
     return reduce_max
 
 
-def _check_other_pin_callbacks(trainer: pl.Trainer, callback: PinCallback, plan: Any) -> None:
+def _check_other_pin_callbacks(trainer: pl.Trainer, callback: PinCallback) -> None:
     """Several PinCallbacks on one trainer: identical pins twice are a mistake. (Explicit targets that
     disagree on one element are refused by the registry of live pins, ``LIVE`` in core/driver.py.)"""
     others = [cb for cb in trainer.callbacks if isinstance(cb, PinCallback) and cb is not callback]

@@ -5,12 +5,13 @@ the agreement of the ranks, and the registry of live pins.
 moments come from (Lightning's hooks; an optimizer's and autograd's hooks) and in how processes
 talk (the Lightning strategy's ``reduce``; ``torch.distributed``). Everything else is here, once:
 
-- :class:`StepDriver`: the order of a step. Before a batch's forward the ``when`` pins are decided
-  (agreed over ranks) and the pins that start are forced (:meth:`StepDriver.decide`); the doors mask
-  gradients after backward; the optimizer statistics of pins activated before the optimizers were
-  attached are zeroed before the first step (:meth:`StepDriver.reset_statistics`); the engine's
-  post-hook restores after the step; the next step's pins become active (:meth:`StepDriver.advance`);
-  a resume or the start of training forces the targets (:meth:`StepDriver.force`).
+- :class:`StepDriver`: the order of a step. The start of training or a resume forces the targets
+  (:meth:`~StepDriver.force`); before a batch's forward its ``when`` pins are decided (agreed over
+  ranks) and the pins that start are forced (:meth:`~StepDriver.decide`); right before the update the
+  optimizer statistics still to zero are zeroed and the pinned gradients kept out of it
+  (:meth:`~StepDriver.before_step`: masked there, or as backward accumulated them where the door
+  masks at backward); the engine's step post-hook restores the targets after the update; then the
+  next step's pins become active (:meth:`~StepDriver.advance`).
 - :func:`ranks_agree` and :func:`any_rank`: every rank holds the same pins, and a ``when`` pin holds on
   every rank or none, through one *collective*: a callable that returns the element-wise maximum of
   a tensor over all processes (:func:`torch_collective` for ``torch.distributed``).
@@ -140,9 +141,10 @@ class StepDriver:
 
     The doors call it from their own hooks: :class:`~lightning_pin.PinCallback` from Lightning's
     (``on_train_start``, ``on_train_batch_start``, ``on_before_optimizer_step``), :class:`PinHandle`
-    from an optimizer's step hooks and its ``batch_start``. The engine's step post-hook restores the
-    pinned values after each step (``engine.attach``); masking gradients after backward is the doors'
-    (Lightning has an "after backward" moment; a plain loop's hooks mask as backward accumulates).
+    from an optimizer's step pre- and post-hooks and its ``batch_start`` / ``load_state_dict``. The
+    engine's step post-hook restores the pinned values after each update (``engine.attach``). Where the
+    door masks pinned gradients as backward accumulates them (pin(): autograd's hooks, so that they are
+    zero when ``backward()`` returns), :meth:`before_step` only drops whole tensors' gradients.
 
     Args:
         engine: The engine of the resolved pins.
@@ -296,7 +298,10 @@ class LivePins:
     def add(self, module: nn.Module, holder: Any, door: str) -> None:
         """Register ``holder`` (with an ``engine``) as pinning ``module``; ``door`` is ``"pin()"`` or
         ``"PinCallback"`` (named in conflict messages)."""
-        self._by_module.setdefault(module, {})[id(holder)] = (weakref.ref(holder), door)
+        entries = self._by_module.setdefault(module, {})
+        for key in [k for k, (ref, _) in entries.items() if ref() is None]:  # holders dropped without removal
+            del entries[key]
+        entries[id(holder)] = (weakref.ref(holder), door)
 
     def discard(self, holder: Any) -> None:
         """Take ``holder`` out, wherever it is (a no-op if it is not registered)."""

@@ -602,7 +602,7 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     engine.grads_read_before_step = bool(zero_pinned_grads)
     try:
         # Capture and force the pins of step 0 before attaching to the optimizers, so that their
-        # statistics are zeroed at the first step, not now (see PinHandle._pending_reset).
+        # statistics are zeroed at the first step, not now (see StepDriver.pending_reset).
         started = handle._driver.advance(0, outputs=False)
         handle._driver.pending_reset = [i for i in started if engine.plan.pins[i].when is None]
         handle._attach()
@@ -655,7 +655,8 @@ def _kind(value: Any) -> str:
 # Every live handle's check of the optimizers it was not given runs from one torch-global step
 # pre-hook (register_optimizer_step_pre_hook sees every optimizer), installed while a handle lives:
 # per step, one param-group layout and one lookup, whatever the number of handles.
-# Live handles by id. A weak reference with a callback, not a WeakSet: a handle collected without
+# Live handles by id: the index of that check over the attached pin() handles (the registry of live pins by
+# module is core/driver.py's LIVE). A weak reference with a callback, not a WeakSet: a handle collected without
 # remove() (dropped in a reference cycle) must also recompute _GIVEN_TO_ALL, or every later step of
 # every optimizer would take the slow path of the check below.
 _COVERING: dict[int, weakref.ref[PinHandle]] = {}
