@@ -13,7 +13,16 @@ from torch import nn
 
 from lightning_pin import Pin, PinError, pin
 from lightning_pin.core.buffers import BufferHold
-from lightning_pin.core.driver import LIVE, LivePins, StepDriver, any_rank, ranks_agree, torch_collective
+from lightning_pin.core.driver import (
+    LIVE,
+    LivePins,
+    StepDriver,
+    any_rank,
+    load_pin_state,
+    pin_state,
+    ranks_agree,
+    torch_collective,
+)
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.plan import resolve
 
@@ -303,6 +312,54 @@ def test_outputs_are_told_the_step():
     driver.advance(4, outputs=False)
     driver.force(5)
     assert seen == [3, 4, 5]
+
+
+# ------------------------------------------------------------------------------------------------
+# The saved pin state
+
+
+class _Output:
+    """An output kind's runtime, as far as the pin state sees it."""
+
+    def __init__(self, saved: Any = None) -> None:
+        self.saved, self.step = saved, None
+
+    def state_dict(self) -> dict:
+        return {"stuck": [1, 5]}
+
+    def load_state_dict(self, state: Any, *, strict: bool, warn: Callable) -> None:
+        self.saved = state
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+
+def test_the_pin_state_round_trips_with_extras_before_the_outputs():
+    model = _net()
+    engine = PinEngine(resolve([Pin("0.bias", value=None)], model))
+    engine.set_active({0})
+    state = pin_state(engine, {"neuron": _Output()}, step=7, monitor={"baseline": 0.5})
+    assert list(state)[-2:] == ["monitor", "outputs"] and state["step"] == 7
+    assert state["outputs"] == {"neuron": {"stuck": [1, 5]}}
+    other_model = _net(seed=1)
+    other = PinEngine(resolve([Pin("0.bias", value=None)], other_model))
+    output = _Output()
+    saved = load_pin_state(other, {"neuron": output}, state, strict=True)
+    assert saved.step == 7 and output.saved == {"stuck": [1, 5]} and output.step is None  # nothing forced yet
+    assert other.active == frozenset({0}) and torch.equal(other.captured[0]["0.bias"], model[0].bias.detach())
+    assert not torch.equal(other_model[0].bias.detach(), model[0].bias.detach())
+
+
+def test_saved_state_without_the_outputs_is_refused_when_strict_and_warned_otherwise():
+    model = _net()
+    engine = PinEngine(resolve([Pin("0.bias", value=0.0)], model))
+    state = pin_state(engine, {})
+    with pytest.raises(PinError, match=r"holds no state of \['neuron'\] pins"):
+        load_pin_state(engine, {"neuron": _Output()}, state, strict=True)
+    seen: list[str] = []
+    output = _Output(saved="untouched")
+    assert load_pin_state(engine, {"neuron": output}, state, strict=False, warn=seen.append) is not None
+    assert output.saved == "untouched" and seen == []
 
 
 # ------------------------------------------------------------------------------------------------

@@ -27,11 +27,11 @@ from lightning_pin.callbacks._compat import averaged_modules, runs_in_spawned_wo
 from lightning_pin.callbacks.late_pins import warn_late_pins
 from lightning_pin.core.buffers import BufferHold
 from lightning_pin.core.compiled_step import install
-from lightning_pin.core.driver import LIVE, Collective, StepDriver, ranks_agree
+from lightning_pin.core.driver import LIVE, Collective, StepDriver, load_pin_state, pin_state, ranks_agree
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.errors import PinError
 from lightning_pin.core import kinds
-from lightning_pin.core.handle import as_pins, load_outputs
+from lightning_pin.core.handle import as_pins
 from lightning_pin.core.modules import ParameterWatch, unwrap
 from lightning_pin.callbacks.monitor import PinMonitor
 from lightning_pin.core.plan import check_targets_fit, refuse_sparse_gradients, resolve
@@ -490,12 +490,8 @@ class PinCallback(Callback):
                 # After ddp_spawn: the state rank 0 left, so a checkpoint saved now keeps it.
                 return self._worker_state()
             return dict(self._loaded_state) if isinstance(self._loaded_state, Mapping) else {}
-        state = self.engine.state_dict()
-        if self.monitor is not None:
-            state["monitor"] = self.monitor.state_dict()
-        if self.outputs:
-            state["outputs"] = {kind: hold.state_dict() for kind, hold in self.outputs.items()}
-        return state
+        monitor = {} if self.monitor is None else {"monitor": self.monitor.state_dict()}
+        return pin_state(self.engine, self.outputs, **monitor)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -507,8 +503,7 @@ class PinCallback(Callback):
             self._loaded_state = state_dict
 
     def _load(self, state: Any) -> None:
-        saved = self.engine.load_state_dict(state, strict=self.strict, warn=rank_zero_warn)
-        load_outputs(self.outputs, state, self.strict, None, rank_zero_warn)
+        saved = load_pin_state(self.engine, self.outputs, state, self.strict, rank_zero_warn)
         if self.monitor is not None and saved is not None:
             self.monitor.load_state_dict(saved.monitor)
 

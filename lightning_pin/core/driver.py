@@ -42,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, Optional
@@ -54,6 +55,7 @@ from lightning_pin.core.buffers import BufferHold
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.plan import PinPlan, check_conflicts
+from lightning_pin.core.state import PinState
 
 __all__ = [
     "LIVE",
@@ -61,6 +63,9 @@ __all__ = [
     "LivePins",
     "StepDriver",
     "any_rank",
+    "load_outputs",
+    "load_pin_state",
+    "pin_state",
     "ranks_agree",
     "torch_collective",
 ]
@@ -268,6 +273,65 @@ class StepDriver:
         pending, self.pending_reset = self.pending_reset, []
         for optimizer in optimizers:
             self.engine.reset_optimizer_state(optimizer, pending)
+
+
+# ------------------------------------------------------------------------------------------------
+# The saved pin state, as both doors write and read it
+
+
+def pin_state(
+    engine: PinEngine, outputs: Mapping[str, Any], step: Optional[int] = None, **extra: Any
+) -> dict[str, Any]:
+    """The pin state to save: the engine's (selections, targets, activity, ``step``), then ``extra`` (the
+    callback's ``monitor``), then the output kinds' under ``"outputs"``. Tensors, lists, dicts and
+    primitives only, so that ``torch.load(weights_only=True)`` reads it back."""
+    state = engine.state_dict(step=step)
+    state.update(extra)
+    if outputs:
+        state["outputs"] = {kind: hold.state_dict() for kind, hold in outputs.items()}
+    return state
+
+
+def load_pin_state(engine: PinEngine, outputs: Mapping[str, Any], state: Any, strict: bool,
+                   warn: Optional[Callable[[str], Any]] = None) -> Optional[PinState]:
+    """Take saved pin state: the engine's targets and activity, and the output kinds' saved forms.
+    Nothing is forced into the weights here (the door does, when its moment comes).
+
+    Returns what the engine read (None: a corrupt state skipped with ``strict=False``).
+
+    Raises:
+        PinError: with ``strict``, the state is corrupt or does not match these pins.
+    """
+    # Without ``warn``, the warnings name the line that called the door's load_state_dict.
+    engine_warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=4))
+    saved = engine.load_state_dict(state, strict=strict, warn=engine_warn)
+    load_outputs(outputs, state, strict, None, warn)
+    return saved
+
+
+def load_outputs(outputs: Mapping[str, Any], state: Mapping[str, Any], strict: bool, step: Optional[int],
+                 warn: Any = None) -> None:
+    """Give each output kind's runtime its saved form (under ``"outputs"`` of the pin state).
+
+    Raises:
+        PinError: with ``strict``, the state lacks one of them or holds one these pins do not have.
+    """
+    saved = state.get("outputs") or {} if isinstance(state, Mapping) else {}
+    # The warning names the line that called the door's load_state_dict: PinHandle.load_state_dict ->
+    # load_pin_state -> here -> the output kind's load_state_dict -> warn.
+    warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=5))
+    missing, extra = sorted(set(outputs) - set(saved)), sorted(set(saved) - set(outputs))
+    if (missing or extra) and strict:
+        raise PinError(
+            f"the checkpoint's pin state does not match these pins: it holds no state of {missing} pins"
+            if missing else f"the checkpoint's pin state holds {extra} pins these pins do not have"
+        ) from None
+    for kind, hold in outputs.items():
+        if kind in saved:
+            hold.load_state_dict(saved[kind], strict=strict, warn=warn)
+        if step is not None:
+            hold.set_step(step)
+
 
 
 # ------------------------------------------------------------------------------------------------

@@ -44,7 +44,15 @@ from lightning_pin.core.backward_end import EndOfBackward
 from lightning_pin.core import kinds
 from lightning_pin.core.buffers import BufferHold
 from lightning_pin.core.compiled_step import install
-from lightning_pin.core.driver import LIVE, StepDriver, ranks_agree, torch_collective
+from lightning_pin.core.driver import (
+    LIVE,
+    StepDriver,
+    load_outputs,
+    load_pin_state,
+    pin_state,
+    ranks_agree,
+    torch_collective,
+)
 from lightning_pin.core.engine import PinEngine, is_sharded
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.modules import ParameterWatch, unwrap
@@ -460,10 +468,7 @@ class PinHandle:
     def state_dict(self) -> dict[str, Any]:
         """Selections, targets (captured ones too), activity and the step count: tensors, lists,
         dicts and primitives only, so ``torch.load(weights_only=True)`` reads it back."""
-        state = self.engine.state_dict(step=self.step)
-        if self.outputs:
-            state["outputs"] = {kind: hold.state_dict() for kind, hold in self.outputs.items()}
-        return state
+        return pin_state(self.engine, self.outputs, step=self.step)
 
     def load_state_dict(self, state: Mapping[str, Any], strict: Optional[bool] = None) -> None:
         """Resume: take the saved targets and step count, and force the targets into the weights.
@@ -480,7 +485,7 @@ class PinHandle:
         """
         self._refuse_if_removed("load_state_dict")
         self._check_module("handle.load_state_dict")
-        saved = self.engine.load_state_dict(state, strict=self.strict if strict is None else strict)
+        saved = load_pin_state(self.engine, self.outputs, state, self.strict if strict is None else strict)
         if saved is not None:
             # The saved run zeroed the statistics of its pins when they activated; the loaded
             # optimizer state already reflects that (pins that start afresh are activated below).
@@ -489,7 +494,6 @@ class PinHandle:
                 self._driver.step = saved.step
         # Forces the saved targets; the loaded weights hold the buffers the saved run held: the held values.
         self._driver.force(self._driver.step)
-        load_outputs(self.outputs, state, self.strict if strict is None else strict, self.step)
 
     def remove(self) -> None:
         """Remove every hook this handle placed; the weights keep their values.
@@ -611,28 +615,6 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         raise
     LIVE.add(target, handle, "pin()")
     return handle
-
-
-def load_outputs(outputs: Mapping[str, Any], state: Mapping[str, Any], strict: bool, step: Optional[int],
-                 warn: Any = None) -> None:
-    """Give each output kind's runtime its saved form (under ``"outputs"`` of the pin state).
-
-    Raises:
-        PinError: with ``strict``, the state lacks one of them or holds one these pins do not have.
-    """
-    saved = state.get("outputs") or {} if isinstance(state, Mapping) else {}
-    warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=4))
-    missing, extra = sorted(set(outputs) - set(saved)), sorted(set(saved) - set(outputs))
-    if (missing or extra) and strict:
-        raise PinError(
-            f"the checkpoint's pin state does not match these pins: it holds no state of {missing} pins"
-            if missing else f"the checkpoint's pin state holds {extra} pins these pins do not have"
-        ) from None
-    for kind, hold in outputs.items():
-        if kind in saved:
-            hold.load_state_dict(saved[kind], strict=strict, warn=warn)
-        if step is not None:
-            hold.set_step(step)
 
 
 class _Undo:
