@@ -282,10 +282,8 @@ class PinCallback(Callback):
 
     def _pin_averaged(self, averaged: nn.Module) -> None:
         """Write the pins into an averaged copy of the weights, right after each of its updates."""
-        if self.engine is not None:
-            self.engine.write_into(dict(averaged.named_parameters(remove_duplicate=False)))
-            if self.buffers:
-                self.buffers.write_into(averaged)
+        if self._driver is not None:
+            self._driver.write_into(averaged)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -266,6 +266,17 @@ class StepDriver:
         elif engine.has_whole_pins:
             engine.drop_whole_grads(optimizer)
 
+    @torch.no_grad()
+    def write_into(self, copy: nn.Module, parameters: Optional[Mapping[str, Tensor]] = None) -> None:
+        """Make another copy of the weights (an averaged model) hold the pins: the targets of the pins
+        active at the last step into its parameters (``parameters``: its named parameters, if known),
+        the held buffers into its buffers. Names the copy lacks are skipped."""
+        if parameters is None:
+            parameters = dict(copy.named_parameters(remove_duplicate=False))
+        self.engine.write_into(parameters)
+        if self.buffers:
+            self.buffers.write_into(copy)
+
     def reset_statistics(self, optimizers: Iterable[Optimizer]) -> None:
         """Zero the optimizer statistics of the pins in :attr:`pending_reset`, once: they started before
         the optimizers were attached (pin() activates the pins of step 0 first, and a resume may load the

@@ -435,12 +435,12 @@ class PinHandle:
 
         def update_and_hold(*args: Any, **kwargs: Any) -> Any:
             result = update(*args, **kwargs)
-            self._write_held(copy, parameters)
+            self._driver.write_into(copy, parameters)
             return result
 
         # An instance attribute (nn.Module keeps it in __dict__): removing it brings back the method.
         object.__setattr__(averaged, "update_parameters", update_and_hold)
-        self._write_held(copy, parameters)
+        self._driver.write_into(copy, parameters)
         holds = self._held
 
         def undo() -> None:
@@ -458,12 +458,6 @@ class PinHandle:
         holds[id(averaged)] = (type(averaged).__name__, copy, removable)
         self._handles.append(removable)
         return removable
-
-    @torch.no_grad()
-    def _write_held(self, copy: nn.Module, parameters: Mapping[str, Any]) -> None:
-        self.engine.write_into(parameters)
-        if self.buffers:
-            self.buffers.write_into(copy)
 
     def state_dict(self) -> dict[str, Any]:
         """Selections, targets (captured ones too), activity and the step count: tensors, lists,
