@@ -11,7 +11,10 @@ talk (the Lightning strategy's ``reduce``; ``torch.distributed``). Everything el
   optimizer statistics still to zero are zeroed and the pinned gradients kept out of it
   (:meth:`~StepDriver.before_step`: masked there, or as backward accumulated them where the door
   masks at backward); the engine's step post-hook restores the targets after the update; then the
-  next step's pins become active (:meth:`~StepDriver.advance`).
+  next step's pins become active (:meth:`~StepDriver.advance`). Averaged copies of the weights hold
+  the pins through :meth:`~StepDriver.write_into`.
+- :func:`pin_state` and :func:`load_pin_state`: the pin state both doors save and load (the engine's,
+  the output kinds', and what a door adds, such as the callback's monitor).
 - :func:`ranks_agree` and :func:`any_rank`: every rank holds the same pins, and a ``when`` pin holds on
   every rank or none, through one *collective*: a callable that returns the element-wise maximum of
   a tensor over all processes (:func:`torch_collective` for ``torch.distributed``).
@@ -28,12 +31,12 @@ Example::
     >>> model = torch.nn.Linear(3, 1)
     >>> engine = PinEngine(resolve([Pin("bias", value=0.5, start_step=2)], model))
     >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    >>> driver = StepDriver(engine, BufferHold(engine.plan, model))
+    >>> driver = StepDriver(engine, BufferHold(engine.plan, model), optimizers=[optimizer])
     >>> handles = engine.attach([optimizer])              # restores after each step
     >>> for step in range(4):
     ...     driver.decide(step, batch=None, batch_idx=step)  # before the forward: step 2 forces the bias
     ...     model(torch.randn(4, 3)).sum().backward()
-    ...     engine.mask_grads(optimizer)                  # after backward, before the step
+    ...     driver.before_step(optimizer)                 # after backward: the pinned gradients masked
     ...     optimizer.step()
     ...     optimizer.zero_grad()
     >>> model.bias.item(), sorted(engine.active)
