@@ -120,7 +120,7 @@ CORE_LAYERS = [
     {"kinds"},
     {"plan", "state"},
     {"parking", "buffers", "engine", "compiled_step"},
-    {"handle"},
+    {"driver", "handle"},
 ]
 
 #: The only imports inside functions in core/: packages kept lazy on purpose, with why. Anything

@@ -27,13 +27,14 @@ from lightning_pin.callbacks._compat import averaged_modules, runs_in_spawned_wo
 from lightning_pin.callbacks.late_pins import warn_late_pins
 from lightning_pin.core.buffers import BufferHold
 from lightning_pin.core.compiled_step import install
+from lightning_pin.core.driver import LIVE, Collective, StepDriver, load_pin_state, pin_state, ranks_agree
 from lightning_pin.core.engine import PinEngine
 from lightning_pin.core.errors import PinError
 from lightning_pin.core import kinds
-from lightning_pin.core.handle import as_pins, load_outputs
+from lightning_pin.core.handle import as_pins
 from lightning_pin.core.modules import ParameterWatch, unwrap
 from lightning_pin.callbacks.monitor import PinMonitor
-from lightning_pin.core.plan import check_conflicts, check_targets_fit, refuse_sparse_gradients, resolve
+from lightning_pin.core.plan import check_targets_fit, refuse_sparse_gradients, resolve
 from lightning_pin.core.state import find_pin_states
 from lightning_pin.core.kinds.neuron import NeuronPin
 from lightning_pin.core.spec import Pin
@@ -44,8 +45,8 @@ __all__ = ["PinCallback"]
 _VERIFY_CHOICES = ("step", "epoch", "end", "never")
 # Lightning precisions that cast the parameters themselves, in strategy.setup.
 _TRUE_PRECISION = {"16-true": torch.float16, "bf16-true": torch.bfloat16}
-# Live callbacks by their pins' fingerprints (see state_key).
-_LIVE: dict[tuple[str, ...], weakref.WeakSet] = {}
+# Unfitted callbacks by their pins' fingerprints (see state_key). Fitting ones are in core's LIVE registry.
+_UNFITTED: dict[tuple[str, ...], weakref.WeakSet] = {}
 
 
 class PinCallback(Callback):
@@ -129,7 +130,7 @@ class PinCallback(Callback):
         self.outputs: dict[str, Any] = {}
         self._fingerprints = [p.fingerprint() for p in self.pins]
         # Unfitted live callbacks with these pins (see state_key); a fit takes this one out.
-        twins = _LIVE.setdefault(tuple(self._fingerprints), weakref.WeakSet())
+        twins = _UNFITTED.setdefault(tuple(self._fingerprints), weakref.WeakSet())
         self._copy_index = len(twins)
         twins.add(self)
         self.strict = strict
@@ -147,7 +148,8 @@ class PinCallback(Callback):
         self._fitting = False
         #: global_step at the end of the last fit (None before): what "active" means without a step.
         self._end_step: Optional[int] = None
-        self._when_hits: frozenset[int] = frozenset()
+        # The step's order (core/driver.py), shared with pin(): Lightning's hooks call it. One per fit.
+        self._driver: Optional[StepDriver] = None
         # Whether this fit forced the pins into the weights (on_train_start). Lightning skips
         # training entirely for max_steps=0, max_epochs=0, limit_train_batches=0 or an empty
         # loader: then a check must say that the pins were never applied, not just "off target".
@@ -208,16 +210,24 @@ class PinCallback(Callback):
         except PinError as err:
             plan, rejected = None, err
         # A spec can fail on one rank only (a file missing on one node): every rank must raise,
-        # or the others would wait forever in the next collective.
-        _raise_if_any_rank_rejected(trainer, pl_module, rejected)
-        _check_plans_agree(trainer, pl_module, plan)
-        _check_other_pin_callbacks(trainer, self, plan)
+        # or the others would wait forever in the next collective; and every rank must hold the same pins.
+        reduce_max = _collective(trainer)
+        ranks_agree(plan, rejected, reduce_max, pl_module.device,
+                    rank=trainer.global_rank, stops="every rank stops before training")
+        _check_other_pin_callbacks(trainer, self)
+        LIVE.refuse_conflicts(plan, module, "PinCallback")
         self.engine = PinEngine(plan)
         self.outputs = outputs
         self.buffers = BufferHold(plan, module)
+        # A `when` decision of the last fit's last batch holds until this fit's first batch decides.
+        hits = frozenset() if self._driver is None else self._driver.hits
+        self._driver = StepDriver(self.engine, self.buffers, self.outputs, reduce_max, pl_module.device,
+                                  optimizers=trainer.optimizers)
+        self._driver.hits = hits
         self._fitting = True
+        LIVE.add(module, self, "PinCallback")
         self._applied = False
-        _LIVE.get(tuple(self._fingerprints), set()).discard(self)
+        _UNFITTED.get(tuple(self._fingerprints), set()).discard(self)
         if self.monitor is not None:
             self.monitor.setup(trainer, module, self.engine)
         if self._loaded_state is not None:
@@ -259,13 +269,9 @@ class PinCallback(Callback):
                     unfaulted.enter_context(hold.paused())
                 self.monitor.before_force(trainer, pl_module)
         warn_late_pins(trainer, self.pins)  # the steps of an epoch are known from here on
-        self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
-        self.engine.force()
-        for hold in self.outputs.values():
-            hold.set_step(trainer.global_step)
-        self._watch = ParameterWatch(pl_module, self.engine.plan.parameters)
         # On resume the module's buffers come from the checkpoint: they hold what the saved run held.
-        self.buffers.update(self.engine.active, recapture=True)
+        self._driver.force(trainer.global_step)
+        self._watch = ParameterWatch(pl_module, self.engine.plan.parameters)
         self._applied = True
         for _, averaged in averaged_modules(trainer):
             self._pin_averaged(averaged)  # copied at setup, before any pin was forced
@@ -276,10 +282,8 @@ class PinCallback(Callback):
 
     def _pin_averaged(self, averaged: nn.Module) -> None:
         """Write the pins into an averaged copy of the weights, right after each of its updates."""
-        if self.engine is not None:
-            self.engine.write_into(dict(averaged.named_parameters(remove_duplicate=False)))
-            if self.buffers:
-                self.buffers.write_into(averaged)
+        if self._driver is not None:
+            self._driver.write_into(averaged)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -304,10 +308,17 @@ class PinCallback(Callback):
             undo()
         self._unwatch = []
         self._fitting = False
+        LIVE.discard(self)
         if self.engine is not None:
             self.engine.detach()
         if self.monitor is not None:
             self.monitor.teardown()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning runs no teardown after an exception: a later pin() or fit on this module must not
+        # meet these pins as live.
+        LIVE.discard(self)
 
     # ------------------------------------------------------------------------------------------
     # The step
@@ -318,14 +329,7 @@ class PinCallback(Callback):
     ) -> None:
         if self.engine is None:
             return
-        if self.engine.plan.pins:
-            self._when_hits = self.engine.when_hits(
-                trainer.global_step, batch, batch_idx, agree=_any_rank(trainer, pl_module)
-            )
-            self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
-            self.buffers.update(self.engine.active)
-        for hold in self.outputs.values():
-            hold.set_step(trainer.global_step)
+        self._driver.decide(trainer.global_step, batch, batch_idx)
         if self.monitor is not None:
             self.monitor.on_train_batch_start(trainer, self.engine)
 
@@ -347,9 +351,8 @@ class PinCallback(Callback):
         if self._watch is not None and not self._watch.intact():
             self._refuse_changed_parameter()
         # Under manual optimization global_step moves inside a batch: re-check the windows.
-        self.engine.set_active(self.engine.ids_at(trainer.global_step, self._when_hits))
-        self.buffers.update(self.engine.active)
-        self.engine.mask_grads(optimizer)
+        self._driver.advance(trainer.global_step, outputs=False)
+        self._driver.before_step(optimizer)
 
     def _refuse_changed_parameter(self) -> None:
         name, change = self._watch.first_change() or ("?", "replaced")
@@ -485,12 +488,8 @@ class PinCallback(Callback):
                 # After ddp_spawn: the state rank 0 left, so a checkpoint saved now keeps it.
                 return self._worker_state()
             return dict(self._loaded_state) if isinstance(self._loaded_state, Mapping) else {}
-        state = self.engine.state_dict()
-        if self.monitor is not None:
-            state["monitor"] = self.monitor.state_dict()
-        if self.outputs:
-            state["outputs"] = {kind: hold.state_dict() for kind, hold in self.outputs.items()}
-        return state
+        monitor = {} if self.monitor is None else {"monitor": self.monitor.state_dict()}
+        return pin_state(self.engine, self.outputs, **monitor)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -502,8 +501,7 @@ class PinCallback(Callback):
             self._loaded_state = state_dict
 
     def _load(self, state: Any) -> None:
-        saved = self.engine.load_state_dict(state, strict=self.strict, warn=rank_zero_warn)
-        load_outputs(self.outputs, state, self.strict, None, rank_zero_warn)
+        saved = load_pin_state(self.engine, self.outputs, state, self.strict, rank_zero_warn)
         if self.monitor is not None and saved is not None:
             self.monitor.load_state_dict(saved.monitor)
 
@@ -554,22 +552,21 @@ def _owners(trainer: pl.Trainer, states: Mapping[str, Any], saved: Sequence[str]
     return owners
 
 
-def _any_rank(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[Callable[[list[bool]], list[bool]]]:
-    """Each rank sees its own batch; a ``when`` pin must hold on every rank or on none, or the
-    replicas diverge: it is active if any rank's batch asks for it (one tiny all-reduce)."""
+def _collective(trainer: pl.Trainer) -> Optional[Collective]:
+    """The strategy's all-reduce (max) for the driver's rank agreement (core/driver.py); None on one process."""
     if trainer.world_size <= 1:
         return None
+    strategy = trainer.strategy
 
-    def agree(hits: list[bool]) -> list[bool]:
-        flags = torch.tensor(hits, dtype=torch.int32, device=pl_module.device)
-        return [bool(x) for x in trainer.strategy.reduce(flags, reduce_op="max").tolist()]
+    def reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+        return strategy.reduce(tensor, reduce_op="max")
 
-    return agree
+    return reduce_max
 
 
-def _check_other_pin_callbacks(trainer: pl.Trainer, callback: PinCallback, plan: Any) -> None:
-    """Several PinCallbacks on one trainer: identical pins twice are a mistake, and explicit targets
-    that disagree on one element must fail now, not after training."""
+def _check_other_pin_callbacks(trainer: pl.Trainer, callback: PinCallback) -> None:
+    """Several PinCallbacks on one trainer: identical pins twice are a mistake. (Explicit targets that
+    disagree on one element are refused by the registry of live pins, ``LIVE`` in core/driver.py.)"""
     others = [cb for cb in trainer.callbacks if isinstance(cb, PinCallback) and cb is not callback]
     twins = [cb for cb in others if cb._fingerprints == callback._fingerprints]
     if twins:
@@ -577,9 +574,6 @@ def _check_other_pin_callbacks(trainer: pl.Trainer, callback: PinCallback, plan:
             f"{1 + len(twins)} PinCallbacks on this trainer hold identical pins {callback.pins!r}: "
             "pass them once (one PinCallback can hold any number of pins)"
         )
-    earlier = [cb.engine.plan for cb in others if cb.engine is not None and cb._fitting]
-    if earlier:
-        check_conflicts([rp for p in earlier for rp in p.pins] + list(plan.pins))
 
 
 def _refuse_unpicklable_when(pins: Sequence[Pin]) -> None:
@@ -617,32 +611,6 @@ def _refuse_unsupported_strategy(trainer: pl.Trainer) -> None:
             "Use ModelParallelStrategy with torch.distributed.fsdp.fully_shard (FSDP2) for sharded training, "
             'or strategy="ddp".'
         )
-
-
-def _check_plans_agree(trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Any) -> None:
-    """Once at fit start: every rank must hold the same pins, or the replicas silently diverge."""
-    if trainer.world_size <= 1:
-        return
-    digest = int(plan.fingerprint(), 16) & (2**62 - 1)
-    # Two 31-bit halves, so the reduction is exact on any backend and dtype.
-    halves = torch.tensor([digest >> 31, digest & (2**31 - 1)], dtype=torch.int64, device=pl_module.device)
-    low = trainer.strategy.reduce(halves.clone(), reduce_op="min")
-    high = trainer.strategy.reduce(halves.clone(), reduce_op="max")
-    if not torch.equal(low, high):
-        raise PinError(
-            f"the ranks resolved different pins (rank {trainer.global_rank} plan {plan.fingerprint()}): a pin "
-            "that holds on one rank only makes the replicas diverge. Build the same Pins on every rank "
-            "(fraction + seed and files give identical selections everywhere)."
-        )
-
-
-def _raise_if_any_rank_rejected(trainer: pl.Trainer, pl_module: pl.LightningModule, rejected: Any) -> None:
-    if trainer.world_size > 1:
-        flag = torch.tensor([int(rejected is not None)], device=pl_module.device)
-        if int(trainer.strategy.reduce(flag, reduce_op="max")) and rejected is None:
-            raise PinError("another rank rejected its pins (see its error); every rank stops before training")
-    if rejected is not None:
-        raise rejected
 
 
 def _clips_gradients(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:

@@ -73,7 +73,11 @@ class EndOfBackward:
         # A new forward: a backward that failed after queueing left no callback waiting.
         self._queued = False
         if torch.is_grad_enabled():
-            tensor = first_tensor_requiring_grad(output)
+            # The usual output, a tensor, without a call (this runs every step: benchmarks/step_calls.py).
+            if isinstance(output, Tensor):
+                tensor = output if output.requires_grad else None
+            else:
+                tensor = first_tensor_requiring_grad(output)
             if tensor is not None and tensor.grad_fn is not None:
                 tensor.register_hook(self._on_output_grad)
 

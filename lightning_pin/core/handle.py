@@ -44,20 +44,25 @@ from lightning_pin.core.backward_end import EndOfBackward
 from lightning_pin.core import kinds
 from lightning_pin.core.buffers import BufferHold
 from lightning_pin.core.compiled_step import install
+from lightning_pin.core.driver import (
+    LIVE,
+    StepDriver,
+    load_outputs,
+    load_pin_state,
+    pin_state,
+    ranks_agree,
+    torch_collective,
+)
 from lightning_pin.core.engine import PinEngine, is_sharded
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.modules import ParameterWatch, unwrap
-from lightning_pin.core.plan import PinPlan, check_conflicts, refuse_sparse_gradients, resolve
+from lightning_pin.core.plan import refuse_sparse_gradients, resolve
 from lightning_pin.core.spec import Pin
 
-__all__ = ["PinHandle", "PinsLike", "any_rank", "as_pins", "load_outputs", "pin", "ranks_agree", "unwrap_optimizer"]
+__all__ = ["PinHandle", "PinsLike", "as_pins", "load_outputs", "pin", "unwrap_optimizer"]
 
 
 PinsLike = Union[Pin, Mapping[str, Any], Sequence[Union[Pin, Mapping[str, Any]]]]  # NeuronPins too
-
-# Live (not removed) handles by the module they pin: a second pin() on the same module is checked
-# against them, as PinCallback checks the other PinCallbacks of its trainer.
-_LIVE: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[PinHandle]] = weakref.WeakKeyDictionary()
 
 
 def as_pins(pins: PinsLike) -> list[Any]:
@@ -97,47 +102,6 @@ def unwrap_optimizer(optimizer: Any) -> Optimizer:
     return optimizer
 
 
-def _world_size() -> int:
-    """Processes in the default group, 1 without torch.distributed."""
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def ranks_agree(engine: Optional[PinEngine], rejected: Optional[PinError], device: torch.device) -> None:
-    """Once, in :func:`pin` under torch.distributed: every rank must hold the same pins.
-
-    A pin that holds on one rank only makes the replicas diverge silently, and a rank that
-    rejected its spec would leave the others waiting in their first all-reduce. One all-reduce
-    of a rejection flag and the plan's digest (as two 31-bit halves, max and negated min, so
-    the reduction is exact on any backend).
-
-    Raises:
-        PinError: another rank rejected its pins, or the ranks resolved different pins.
-    """
-    digest = 0 if engine is None else int(engine.plan.fingerprint(), 16) & (2**62 - 1)
-    halves = [digest >> 31, digest & (2**31 - 1)]
-    flags = torch.tensor([int(rejected is not None)] + halves + [-h for h in halves], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-    any_rejected, high, low = int(flags[0]), flags[1:3], -flags[3:5]
-    if rejected is not None:
-        raise rejected
-    if any_rejected:
-        raise PinError("another rank rejected its pins (see its error); pin() fails on every rank")
-    if not torch.equal(high, low):
-        raise PinError(
-            f"the ranks resolved different pins (rank {torch.distributed.get_rank()}: plan "
-            f"{engine.plan.fingerprint()}): a pin that holds on one rank only makes the replicas diverge. Build the same Pins on every rank "
-            "(fraction + seed and files give identical selections everywhere)."
-        )
-
-
-def any_rank(hits: list[bool], device: torch.device) -> list[bool]:
-    """Per ``when`` pin, whether it holds on any process (one small all-reduce)."""
-    flags = torch.tensor(hits, dtype=torch.int32, device=device)
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-    return [bool(x) for x in flags.tolist()]
-
-
 class PinHandle:
     """Pins attached to a module and its optimizers; returned by :func:`pin`.
 
@@ -167,23 +131,20 @@ class PinHandle:
         self.engine = engine
         #: Default of :meth:`load_state_dict`'s ``strict``.
         self.strict = strict
-        #: Completed steps of the first optimizer: the step the pins' windows refer to.
-        self.step = 0
-        self._hits: frozenset[int] = frozenset()
         # Ids of the optimizers that may step: batch_start ran since their last step. Per
         # optimizer, so one batch_start covers a batch that steps several of them.
         self._decided: set[int] = set()
         self._has_when = any(rp.when is not None for rp in engine.plan.pins)
         self._handles: list[RemovableHandle] = []
-        # Step-window pins that pin() activated, whose optimizer statistics are zeroed right
-        # before the first step rather than in pin(): a resume may load the optimizer's state
-        # after pin(), and load_state_dict() then cancels this (the saved run zeroed them already).
-        self._pending_reset: list[int] = []
         self._removed = False
         #: Buffers of the modules the pins freeze (BatchNorm running statistics), held with them.
         self.buffers = BufferHold(engine.plan, module)
-        # The active set the buffers were last updated for (updated again only when it changes).
-        self._buffers_active: Optional[frozenset[int]] = None
+        # The step's order (core/driver.py), shared with PinCallback; this handle adapts an optimizer's
+        # hooks to it. Its pending_reset: step-window pins that pin() activated, whose optimizer
+        # statistics are zeroed right before the first step rather than in pin(): a resume may load the
+        # optimizer's state after pin(), and load_state_dict() then cancels it (the saved run zeroed them).
+        self._driver = StepDriver(engine, self.buffers, self.outputs, optimizers=self.optimizers,
+                                  masked_at_backward=True)
         self._compile_step = compile_step
         # What each pinned parameter was when the pins were resolved (core/modules.py): a step is
         # refused if the module holds another object under the name, or the tensor was cast or moved.
@@ -212,6 +173,11 @@ class PinHandle:
         self._unhooked: list[tuple[str, nn.Parameter]] = []
         # Averaged copies that hold the pins (see hold): id -> (what it is, its module, its handle).
         self._held: dict[int, tuple[str, nn.Module, Any]] = {}
+
+    @property
+    def step(self) -> int:
+        """Completed steps of the first optimizer: the step the pins' windows refer to."""
+        return self._driver.step
 
     def _attach(self) -> None:
         engine = self.engine
@@ -279,18 +245,9 @@ class PinHandle:
         """
         self._refuse_if_removed("batch_start")
         self._check_module("handle.batch_start")
-        agree = None
-        if _world_size() > 1:
-            device = self.engine.device
-
-            def agree(hits: list[bool]) -> list[bool]:
-                return any_rank(hits, device)
-
-        self._hits = self.engine.when_hits(self.step, batch, batch_idx, agree)
+        self._driver.reduce_max = torch_collective()
+        self._driver.decide(self._driver.step, batch, batch_idx)
         self._decided = {id(o) for o in self.optimizers}
-        self.engine.set_active(self.engine.ids_at(self.step, self._hits))
-        self.buffers.update(self.engine.active)
-        self._buffers_active = self.engine.active
 
     def _after_backward(self) -> None:
         if self._grouped:
@@ -371,27 +328,17 @@ class PinHandle:
                 "optimizer's last step: call it before each batch's forward, so the pin knows whether this "
                 "batch is pinned"
             )
-        if self._pending_reset:
-            for each in self.optimizers:
-                self.engine.reset_optimizer_state(each, self._pending_reset)
-            self._pending_reset = []
-        if self.engine.has_whole_pins:
-            self.engine.drop_whole_grads(optimizer)
+        self._driver.before_step(optimizer)
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._decided.discard(id(optimizer))
         self._masked_for.discard(id(optimizer))
         if optimizer is not self.optimizers[0]:
             return
-        self.step += 1
-        # Pins whose window starts now are forced before the next forward; when pins keep this
-        # batch's decision until the next batch_start.
-        engine = self.engine
-        if engine.set_active(engine.ids_at(self.step, self._hits)) or self._buffers_active is not engine.active:
-            self.buffers.update(engine.active)
-            self._buffers_active = engine.active
-        for hold in self.outputs.values():
-            hold.set_step(self.step)
+        # Counts the step. Pins whose window starts now are forced before the next forward; when pins
+        # keep this batch's decision until the next batch_start.
+        driver = self._driver
+        driver.advance(driver.step + 1)
 
     # ------------------------------------------------------------------------------------------
     # Checks and state
@@ -411,7 +358,7 @@ class PinHandle:
         if module is None:
             self._check_module("handle.verify")
         engine = self.engine
-        pin_ids = engine.last_step_active if engine.last_step_active is not None else engine.active
+        pin_ids = engine.checked_ids
         parameters = None if module is None else dict(unwrap(module).named_parameters(remove_duplicate=False))
         violations: list[Any] = engine.violations(parameters, pin_ids)
         violations += self.buffers.violations(None if module is None else unwrap(module))
@@ -488,12 +435,12 @@ class PinHandle:
 
         def update_and_hold(*args: Any, **kwargs: Any) -> Any:
             result = update(*args, **kwargs)
-            self._write_held(copy, parameters)
+            self._driver.write_into(copy, parameters)
             return result
 
         # An instance attribute (nn.Module keeps it in __dict__): removing it brings back the method.
         object.__setattr__(averaged, "update_parameters", update_and_hold)
-        self._write_held(copy, parameters)
+        self._driver.write_into(copy, parameters)
         holds = self._held
 
         def undo() -> None:
@@ -512,19 +459,10 @@ class PinHandle:
         self._handles.append(removable)
         return removable
 
-    @torch.no_grad()
-    def _write_held(self, copy: nn.Module, parameters: Mapping[str, Any]) -> None:
-        self.engine.write_into(parameters)
-        if self.buffers:
-            self.buffers.write_into(copy)
-
     def state_dict(self) -> dict[str, Any]:
         """Selections, targets (captured ones too), activity and the step count: tensors, lists,
         dicts and primitives only, so ``torch.load(weights_only=True)`` reads it back."""
-        state = self.engine.state_dict(step=self.step)
-        if self.outputs:
-            state["outputs"] = {kind: hold.state_dict() for kind, hold in self.outputs.items()}
-        return state
+        return pin_state(self.engine, self.outputs, step=self.step)
 
     def load_state_dict(self, state: Mapping[str, Any], strict: Optional[bool] = None) -> None:
         """Resume: take the saved targets and step count, and force the targets into the weights.
@@ -541,18 +479,15 @@ class PinHandle:
         """
         self._refuse_if_removed("load_state_dict")
         self._check_module("handle.load_state_dict")
-        saved = self.engine.load_state_dict(state, strict=self.strict if strict is None else strict)
+        saved = load_pin_state(self.engine, self.outputs, state, self.strict if strict is None else strict)
         if saved is not None:
             # The saved run zeroed the statistics of its pins when they activated; the loaded
             # optimizer state already reflects that (pins that start afresh are activated below).
-            self._pending_reset = []
+            self._driver.pending_reset = []
             if saved.step is not None:
-                self.step = saved.step
-        self.engine.set_active(self.engine.ids_at(self.step, self._hits))
-        self.engine.force()
-        load_outputs(self.outputs, state, self.strict if strict is None else strict, self.step)
-        # The loaded weights hold the buffers the saved run held: take them as the held values.
-        self.buffers.update(self.engine.active, recapture=True)
+                self._driver.step = saved.step
+        # Forces the saved targets; the loaded weights hold the buffers the saved run held: the held values.
+        self._driver.force(self._driver.step)
 
     def remove(self) -> None:
         """Remove every hook this handle placed; the weights keep their values.
@@ -565,9 +500,7 @@ class PinHandle:
         self._handles = []
         self.engine.detach()
         self._removed = True
-        live = _LIVE.get(self.module)
-        if live is not None:
-            live.discard(self)
+        LIVE.discard(self)
 
     def __enter__(self) -> PinHandle:
         return self
@@ -618,8 +551,8 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
     Raises:
         PinError: ``module`` is not an ``nn.Module``; no optimizer is given; a pin cannot be
             honoured (named, with what would be right); it gives an element another value than a
-            live handle on the same module; or the ranks of a distributed run resolved different
-            pins. No weight has changed and no hook is left behind. Later, at a step: an
+            live handle or a fitting PinCallback on the same module; or the ranks of a distributed
+            run resolved different pins. No weight has changed and no hook is left behind. Later, at a step: an
             optimizer not in ``optimizers`` is about to update a pinned parameter (refused before
             its update). A pinned parameter no optimizer holds yet is fine: a param group added to
             one of ``optimizers`` later (``add_param_group``) is covered from its first step.
@@ -654,51 +587,28 @@ def pin(module: nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]], pi
         engine: Optional[PinEngine] = PinEngine(resolve(weight_pins, target))  # every check, nothing touched
         outputs = [kind.hold(specs, target) for kind, specs in output_pins]
         refuse_sparse_gradients(engine.plan, target)
-        _refuse_conflicts_with_live_handles(engine.plan, target)
+        LIVE.refuse_conflicts(engine.plan, target, "pin()")
         rejected = None
     except PinError as err:
         engine, rejected = None, err
-    if _world_size() > 1:
-        device = next((p.device for p in target.parameters()), torch.device("cpu"))
-        ranks_agree(engine, rejected, device)
-    if rejected is not None:
-        raise rejected
+    reduce_max = torch_collective()
+    device = next((p.device for p in target.parameters()), torch.device("cpu"))
+    rank = torch.distributed.get_rank() if reduce_max is not None else 0
+    ranks_agree(None if engine is None else engine.plan, rejected, reduce_max, device, rank=rank,
+                stops="pin() fails on every rank")
     handle = PinHandle(target, optimizer_list, engine, strict=strict, compile_step=compile_step, outputs=outputs)
     engine.grads_read_before_step = bool(zero_pinned_grads)
     try:
         # Capture and force the pins of step 0 before attaching to the optimizers, so that their
-        # statistics are zeroed at the first step, not now (see PinHandle._pending_reset).
-        started = engine.set_active(engine.ids_at(0))
-        handle.buffers.update(engine.active)
-        handle._pending_reset = [i for i in started if engine.plan.pins[i].when is None]
+        # statistics are zeroed at the first step, not now (see StepDriver.pending_reset).
+        started = handle._driver.advance(0, outputs=False)
+        handle._driver.pending_reset = [i for i in started if engine.plan.pins[i].when is None]
         handle._attach()
     except BaseException:
         handle.remove()  # no hook left behind
         raise
-    _LIVE.setdefault(target, weakref.WeakSet()).add(handle)
+    LIVE.add(target, handle, "pin()")
     return handle
-
-
-def load_outputs(outputs: Mapping[str, Any], state: Mapping[str, Any], strict: bool, step: Optional[int],
-                 warn: Any = None) -> None:
-    """Give each output kind's runtime its saved form (under ``"outputs"`` of the pin state).
-
-    Raises:
-        PinError: with ``strict``, the state lacks one of them or holds one these pins do not have.
-    """
-    saved = state.get("outputs") or {} if isinstance(state, Mapping) else {}
-    warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=4))
-    missing, extra = sorted(set(outputs) - set(saved)), sorted(set(saved) - set(outputs))
-    if (missing or extra) and strict:
-        raise PinError(
-            f"the checkpoint's pin state does not match these pins: it holds no state of {missing} pins"
-            if missing else f"the checkpoint's pin state holds {extra} pins these pins do not have"
-        ) from None
-    for kind, hold in outputs.items():
-        if kind in saved:
-            hold.load_state_dict(saved[kind], strict=strict, warn=warn)
-        if step is not None:
-            hold.set_step(step)
 
 
 class _Undo:
@@ -721,7 +631,8 @@ def _kind(value: Any) -> str:
 # Every live handle's check of the optimizers it was not given runs from one torch-global step
 # pre-hook (register_optimizer_step_pre_hook sees every optimizer), installed while a handle lives:
 # per step, one param-group layout and one lookup, whatever the number of handles.
-# Live handles by id. A weak reference with a callback, not a WeakSet: a handle collected without
+# Live handles by id: the index of that check over the attached pin() handles (the registry of live pins by
+# module is core/driver.py's LIVE). A weak reference with a callback, not a WeakSet: a handle collected without
 # remove() (dropped in a reference cycle) must also recompute _GIVEN_TO_ALL, or every later step of
 # every optimizer would take the slow path of the check below.
 _COVERING: dict[int, weakref.ref[PinHandle]] = {}
@@ -803,21 +714,3 @@ class _Covering:
         _handles_changed()
         if not _COVERING and _GLOBAL_HOOK:
             _GLOBAL_HOOK.pop().remove()
-
-
-def _refuse_conflicts_with_live_handles(plan: PinPlan, module: nn.Module) -> None:
-    """A second pin() on one module may not give an element another value than a live handle's pins.
-
-    Raises:
-        PinError: as for two pins of one call (see :func:`~lightning_pin.core.plan.check_conflicts`),
-            naming both pins.
-    """
-    live = [h for h in _LIVE.get(module, ()) if not h._removed]
-    if live:
-        try:
-            check_conflicts([rp for h in live for rp in h.engine.plan.pins] + list(plan.pins))
-        except PinError as err:
-            raise PinError(
-                f"{err} (another pin() on this module is still active: remove its handle first, or pin both in "
-                "one call)"
-            ) from err

@@ -121,11 +121,12 @@ def _wanted(model: nn.Module, codes: Optional[Codes]) -> dict[str, QuantCode]:
 
 def _live_code_pins(model: nn.Module) -> dict[str, QuantCode]:
     """The codes of the code pins of the live ``pin()`` handles on ``model`` (by parameter name)."""
-    from lightning_pin.core.handle import _LIVE
+    from lightning_pin.core.driver import LIVE
+    from lightning_pin.core.handle import PinHandle
 
     found: dict[str, QuantCode] = {}
-    for handle in list(_LIVE.get(model, ())):
-        if handle._removed:
+    for handle in LIVE.on(model):
+        if not isinstance(handle, PinHandle):
             continue
         for resolved in handle.engine.plan.pins:
             for name, selection in resolved.selections.items():

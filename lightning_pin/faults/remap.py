@@ -455,11 +455,12 @@ def remap(
 
 
 def _refuse_held(model: nn.Module) -> None:
-    from lightning_pin.core.handle import _LIVE
+    from lightning_pin.core.driver import LIVE
+    from lightning_pin.core.handle import PinHandle
 
     mine = {id(p) for p in model.parameters()}
-    for module, handles in list(_LIVE.items()):
-        if any(not h._removed for h in handles) and mine & {id(p) for p in module.parameters()}:
+    for module, holders in LIVE.items():
+        if any(isinstance(h, PinHandle) for h in holders) and mine & {id(p) for p in module.parameters()}:
             raise PinError("remap: pins already hold this model (a live pin() handle): map before pinning and "
                            "before the optimizer exists, then pin mapping.faults")
     # A PinCallback of the model's trainer holds it while its engine is set up (read without importing Lightning).
