@@ -734,3 +734,12 @@ def test_plan_fingerprint_equal_for_equal_plans_and_differs_otherwise(net):
     d = resolve([Pin("fc.weight", indices=[(0, 2)], value=1.0)], net).fingerprint()
     assert a == b
     assert len({a, c, d}) == 3
+
+
+def test_plan_fingerprint_of_a_scalar_target_on_a_one_element_parameter():
+    """The ranks compare fingerprints under DDP: a binary classifier's bias pinned to a scalar (a
+    target broadcast over one element, stride 0) once crashed the comparison."""
+    head = nn.Linear(2, 1)
+    zero = resolve([Pin("bias", value=0.0)], head).fingerprint()
+    assert zero == resolve([Pin("bias", value=0.0)], nn.Linear(2, 1)).fingerprint()
+    assert zero != resolve([Pin("bias", value=1.0)], head).fingerprint()

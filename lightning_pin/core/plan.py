@@ -143,7 +143,8 @@ class PinPlan:
                     if tensor is None:
                         digest.update(b"-")
                     else:
-                        flat = tensor.detach().reshape(-1).cpu()
+                        # a fresh copy: a scalar target broadcast over one element has stride 0, and contiguous() keeps it
+                        flat = tensor.detach().reshape(-1).cpu().clone(memory_format=torch.contiguous_format)
                         digest.update(flat.view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()[:16]
 
