@@ -170,3 +170,12 @@ def test_a_forced_fault_writes_what_the_kernel_writes(spec):
         assert not torch.equal(forced, expected)
     assert torch.equal(model.weight.detach(), expected)
     assert selection.index is not None
+
+
+def test_a_registered_kind_may_not_take_an_argument_of_pin(monkeypatch):
+    monkeypatch.setattr(kinds, "KINDS", kinds.KINDS)
+    monkeypatch.setattr(kinds, "LATER_FIELDS", kinds.LATER_FIELDS)
+    monkeypatch.setattr(kinds, "BY_NAME", dict(kinds.BY_NAME))
+    kinds.register(type("Seeded", (Grid,), {"kind": "seeded", "pin_fields": ("seed",)}))
+    with pytest.raises(PinError, match=r"Seeded, a registered kind, names arguments of Pin as its fields \(\['seed'"):
+        Pin("w")

@@ -57,6 +57,8 @@ KINDS: tuple[type[Kind], ...] = (
 OUTPUT_KINDS: tuple[Any, ...] = (
     NeuronKind,
 )
+#: The library's own kinds (those :func:`register` adds come after them).
+LIBRARY = KINDS
 #: The kinds by name.
 BY_NAME: dict[str, type[Kind]] = {kind.kind: kind for kind in KINDS}
 #: The kind of a pin that gives none of the other kinds' fields.
@@ -119,10 +121,15 @@ def check_spec(pin: Pin) -> None:
     Raises:
         PinError: ``kind_args`` that is not a dict of the fields of registered kinds, or what a kind refuses.
     """
+    arguments = type(pin).__dataclass_fields__
+    for kind in KINDS[len(LIBRARY):]:
+        if set(kind.pin_fields) & set(arguments):
+            raise PinError(f"{kind.__name__}, a registered kind, names arguments of Pin as its fields "
+                           f"({sorted(set(kind.pin_fields) & set(arguments))}): give it fields of its own")
     if pin.kind_args is not None:
         from collections.abc import Mapping
 
-        own = sorted(f for kind in KINDS for f in kind.pin_fields if f not in type(pin).__dataclass_fields__)
+        own = sorted(f for kind in KINDS for f in kind.pin_fields if f not in arguments)
         if not isinstance(pin.kind_args, Mapping) or any(key not in own for key in pin.kind_args):
             raise PinError(f"{pin!r}: kind_args must be a dict of the fields of registered kinds ({own or 'none is'}"
                            f" registered: lightning_pin.core.kinds.register), got {pin.kind_args!r}")
@@ -139,13 +146,11 @@ def register(kind: type[Kind]) -> type[Kind]:
         PinError: ``kind`` is not a Kind, or its name or a field is taken.
     """
     global KINDS, LATER_FIELDS
-    from lightning_pin.core.spec import Pin
-
     if not (isinstance(kind, type) and issubclass(kind, Kind)):
         raise PinError(f"register: {kind!r} is not a subclass of lightning_pin.core.kinds.Kind")
     if BY_NAME.get(kind.kind, kind) is not kind:
         raise PinError(f"register: the kind name {kind.kind!r} is taken by {BY_NAME[kind.kind].__name__}")
-    taken = {f for each in KINDS if each is not kind for f in each.pin_fields} | set(Pin.__dataclass_fields__)
+    taken = {f for each in KINDS if each is not kind for f in each.pin_fields}  # Pin's own: see check_spec
     if not kind.pin_fields or taken & set(kind.pin_fields):
         raise PinError(f"register: {kind.__name__} needs pin fields of its own (given {kind.pin_fields}; taken: "
                        f"{sorted(taken & set(kind.pin_fields))})")
@@ -183,7 +188,7 @@ def check_conflict(first: Pin, a: Any, second: Pin, b: Any, name: str) -> None:
 
 
 __all__ = [
-    "BY_NAME", "DEFAULT", "KINDS", "LATER_FIELDS", "OUTPUT_KINDS", "ExactValue", "Interval", "Kind", "NeuronKind",
+    "BY_NAME", "DEFAULT", "KINDS", "LATER_FIELDS", "LIBRARY", "OUTPUT_KINDS", "ExactValue", "Interval", "Kind", "NeuronKind",
     "QuantCode", "QuantizedCode", "StuckBits", "Unreadable",
     "check_conflict", "check_spec", "for_pin", "of", "output_kind", "payload_field", "register", "split",
 ]
