@@ -171,3 +171,9 @@ def test_a_forced_fault_writes_what_the_kernel_writes(spec):
         assert not torch.equal(forced, expected)
     assert torch.equal(model.weight.detach(), expected)
     assert selection.index is not None
+
+
+def test_a_registered_kind_may_not_take_an_argument_of_pin(grid):
+    with pytest.raises(PinError, match=r"Seeded needs pin fields of its own \(given \('seed',\); taken: \['seed'\]"):
+        kinds.register(type("Seeded", (Grid,), {"kind": "seeded", "pin_fields": ("seed",)}))
+    assert Pin("w", seed=3).kind == "value"  # nothing was registered

@@ -153,7 +153,7 @@ def check_conflict(first: Pin, a: Any, second: Pin, b: Any, name: str) -> None:
 
 
 __all__ = [
-    "BY_NAME", "DEFAULT", "KINDS", "LATER_FIELDS", "OUTPUT_KINDS", "ExactValue", "Interval", "Kind", "NeuronKind",
-    "QuantCode", "QuantizedCode", "StuckBits", "Unreadable",
+    "BY_NAME", "DEFAULT", "KINDS", "LATER_FIELDS", "OUTPUT_KINDS", "ExactValue", "Interval", "Kind",
+    "NeuronKind", "QuantCode", "QuantizedCode", "StuckBits", "Unreadable",
     "check_conflict", "check_spec", "for_pin", "of", "output_kind", "payload_field", "register", "split",
 ]
