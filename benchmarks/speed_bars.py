@@ -1,0 +1,64 @@
+"""Issue 37's speed bars alone: the eager step at 1% / 20% / 50% pinned, and 256 small pinned tensors.
+
+    python benchmarks/speed_bars.py            # about 12 minutes on 2 quiet CPU cores
+    python benchmarks/speed_bars.py --quick    # small sizes: it runs, the figures mean little
+
+The same measurements as ``bench.py`` (its cases and its interleaved rounds, imported from it), limited
+to the bars the engine must hold: a real ``Trainer.fit`` of the 25M-parameter MLP (AdamW, default
+monitoring) pinned on 1%, 20% and 50% of every weight, against the unpinned fit of the same rounds
+(goals 1.05, 1.10, 1.15), and a plain loop over 4M parameters as 256 square Linear layers with 1% of
+every weight pinned (AdamW foreach and for-loop, goal 1.05). Read it over several runs on a quiet
+machine: a single round on a shared one moves by more than the goals' margins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402  (the benchmarks folder is not a package)
+
+__all__ = ["EAGER_GOALS", "SMALL_TENSORS_GOAL", "main"]
+
+#: Step time over unpinned, per pinned fraction (issue 37, item 6).
+EAGER_GOALS = {"pinned 1%": 1.05, "pinned 20%": 1.10, "pinned 50%": 1.15}
+#: 256 small pinned tensors over unpinned.
+SMALL_TENSORS_GOAL = 1.05
+
+
+def main() -> None:
+    if any(os.environ.get(k) != v for k, v in bench._STEADY_MALLOC.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **bench._STEADY_MALLOC})
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes: it runs, the figures mean little")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    gc.freeze()
+    width, rounds, steps, warmup = (256, 2, 4, 1) if args.quick else (2500, 5, 20, 4)
+    print(f"lightning-pin speed bars  {time.strftime('%Y-%m-%d %H:%M')}  {bench._machine()}  load {os.getloadavg()[0]:.2f}")
+    cases = [bench.Case("unpinned", lambda model: []), *bench._fraction_cases((0.01, 0.2, 0.5))]
+    measured = bench.compare_rounds(width, cases, rounds, steps, warmup)
+    title = (f"Trainer.fit, MLP 4 x Linear({width}, {width}), AdamW, default monitoring: step time / unpinned, "
+             f"median of {rounds} interleaved rounds [each round]")
+    eager = bench.print_rows(title, measured, EAGER_GOALS)
+    depth = bench.depth_rows((256,), (0.01,), ("AdamW foreach", "AdamW for-loop"), *((2, 4, 1) if args.quick else (5, 30, 5)),
+                             parameters=250_000 if args.quick else 4_000_000)
+    for name, row in depth.items():
+        print(f"  {name}: {row['ratio']:.3f}   goal <= {SMALL_TENSORS_GOAL:.2f}: "
+              f"{bench.verdict(row['rounds'], SMALL_TENSORS_GOAL)}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"eager": eager, "eager_rounds": measured.ratios(), "small_tensors": depth}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
