@@ -5,9 +5,8 @@ sensitivity, ``--no-retrain`` and ``--kind flip`` campaigns, ``changed_bits``, p
 exiting 2 with one line before any work.
 
 The study runs its jobs in the test's own process (``--jobs 1``) or in workers it forks (``--jobs 2``). The
-launcher tests start the multirun child on tests/fork_runner.py (imports done once, :func:`forked_jobs`); the jobs
-it launches start as the launcher starts them: joblib's loky workers and submitit's job processes are fresh
-interpreters, as they are for a user."""
+launcher tests start the multirun child on tests/fork_runner.py (imports done once, :func:`forked_jobs`), except
+joblib, whose loky workers are fresh interpreters as they are for a user."""
 
 from __future__ import annotations
 
@@ -189,8 +188,7 @@ def test_every_runner_gives_the_same_faults_and_numbers(study, tmp_path, fork_ru
         out = tmp_path / name
         # The fixture's recipe had no ckpt_path: a new directory for a new recipe.
         args = ["--rates", "0.2", "--seeds", "2", *options, "--out", str(out), *TINY, f"ckpt_path={ckpt}"]
-        # The launchers' multirun child forks from the fork runner (its jobs still start as the launcher starts them).
-        runner = contextlib.nullcontext() if name == "forked" else forked_jobs(fork_runner)
+        runner = forked_jobs(fork_runner) if name == "submitit_local" else contextlib.nullcontext()
         with runner:
             status = faults(*args)
         assert status == 0, (name, (out / "study.log").read_text()[-3000:] if (out / "study.log").exists() else "")
