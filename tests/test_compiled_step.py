@@ -357,7 +357,9 @@ def test_the_compiled_step_names_itself_to_a_profiler_as_torch_step_does():
     """The profiler range is entered only while a profiler listens (it costs ~10 us a step), and
     then under torch's own name for an optimizer step."""
     model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    # The optimizer and pins of test_a_write_between_steps_is_undone_by_the_next_step: the same graph, so a fresh
+    # clone's first run compiles it once (inductor's cache), not twice.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     with pin(model, optimizer, [Pin("0.weight", fraction=0.5, seed=2)], compile_step=True) as handle:
         for _ in range(2):
             model(torch.randn(8, 6)).square().mean().backward()

@@ -500,6 +500,9 @@ def test_neuron_pins_from_mappings():
 # torch.compile
 
 
+# With test_compiled_step.py on one xdist worker: inductor's first compile in a process (its imports, the C++
+# toolchain's probing and, in a fresh clone, the vector ISA checks) is paid by one worker, not both.
+@pytest.mark.xdist_group("inductor")
 def test_compiled_model_keeps_the_stuck_neurons():
     torch.manual_seed(0)
     model = MLP()
@@ -522,6 +525,7 @@ def test_compiled_model_keeps_the_stuck_neurons():
             opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
 
 
+@pytest.mark.xdist_group("inductor")
 def test_compiled_after_pin_and_refusals_under_compile():
     torch.manual_seed(0)
     model = MLP()
