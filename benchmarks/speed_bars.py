@@ -1,6 +1,6 @@
-"""Issue 37's speed bars alone: the eager step at 1% / 20% / 50% pinned, and 256 small pinned tensors.
+"""The engine's speed bars alone: the eager step at 1% / 20% / 50% pinned, and 256 small pinned tensors.
 
-    python benchmarks/speed_bars.py            # about 12 minutes on 2 quiet CPU cores
+    python benchmarks/speed_bars.py            # about 2 minutes on 2 quiet CPU cores
     python benchmarks/speed_bars.py --quick    # small sizes: it runs, the figures mean little
 
 The same measurements as ``bench.py`` (its cases and its interleaved rounds, imported from it), limited
@@ -28,7 +28,7 @@ import bench  # noqa: E402  (the benchmarks folder is not a package)
 
 __all__ = ["EAGER_GOALS", "SMALL_TENSORS_GOAL", "main"]
 
-#: Step time over unpinned, per pinned fraction (issue 37, item 6).
+#: Step time over unpinned, per pinned fraction: the goals the engine is held to.
 EAGER_GOALS = {"pinned 1%": 1.05, "pinned 20%": 1.10, "pinned 50%": 1.15}
 #: 256 small pinned tensors over unpinned.
 SMALL_TENSORS_GOAL = 1.05
@@ -44,13 +44,15 @@ def main() -> None:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     gc.freeze()
     width, rounds, steps, warmup = (256, 2, 4, 1) if args.quick else (2500, 5, 20, 4)
-    print(f"lightning-pin speed bars  {time.strftime('%Y-%m-%d %H:%M')}  {bench._machine()}  load {os.getloadavg()[0]:.2f}")
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    print(f"lightning-pin speed bars  {stamp}  {bench._machine()}  load {os.getloadavg()[0]:.2f}")
     cases = [bench.Case("unpinned", lambda model: []), *bench._fraction_cases((0.01, 0.2, 0.5))]
     measured = bench.compare_rounds(width, cases, rounds, steps, warmup)
     title = (f"Trainer.fit, MLP 4 x Linear({width}, {width}), AdamW, default monitoring: step time / unpinned, "
              f"median of {rounds} interleaved rounds [each round]")
     eager = bench.print_rows(title, measured, EAGER_GOALS)
-    depth = bench.depth_rows((256,), (0.01,), ("AdamW foreach", "AdamW for-loop"), *((2, 4, 1) if args.quick else (5, 30, 5)),
+    depth_sizes = (2, 4, 1) if args.quick else (5, 30, 5)  # rounds, steps, warm-up steps
+    depth = bench.depth_rows((256,), (0.01,), ("AdamW foreach", "AdamW for-loop"), *depth_sizes,
                              parameters=250_000 if args.quick else 4_000_000)
     for name, row in depth.items():
         print(f"  {name}: {row['ratio']:.3f}   goal <= {SMALL_TENSORS_GOAL:.2f}: "
