@@ -18,10 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pin import PinError
-from lightning_pin.core.kinds import Kind
-from lightning_pin.core.kinds._common import coords, first, merge_paired, per_element, shared_positions, sort_with_index
-from lightning_pin.core.kinds.base import Expected, pin_field
-from lightning_pin.core.sharding import Target
+from lightning_pin.core.kinds import (
+    Expected, Kind, Target, merge_paired, per_element, pin_field, shared_positions, sort_with_index,
+)
+from lightning_pin.core.kinds._common import coords, first
 
 __all__ = ["Grid"]
 

@@ -35,14 +35,17 @@ import torch
 
 from lightning_pin.core import registry
 from lightning_pin.core.errors import PinError
-from lightning_pin.core.kinds._common import shared_positions
-from lightning_pin.core.kinds.base import Kind, Unreadable
+# What a kind defined outside the library builds on (see docs/how-to/new-kind.md): the base class,
+# the per-element helpers the library's kinds use, and the target a kernel writes.
+from lightning_pin.core.kinds._common import merge_paired, per_element, shared_positions, sort_with_index
+from lightning_pin.core.kinds.base import Expected, Kind, Unreadable, pin_field
 from lightning_pin.core.kinds.interval import Interval
 from lightning_pin.core.kinds.neuron import NeuronKind
 from lightning_pin.core.kinds.quant_code import QuantCode, QuantizedCode
 from lightning_pin.core.kinds.stuck_bits import StuckBits
 from lightning_pin.core.kinds.value import ExactValue
 from lightning_pin.core.registry import check_spec, for_pin, payload_field
+from lightning_pin.core.sharding import Target
 from lightning_pin.core.spec import Pin
 
 #: Every kind, in the order a pin's fields are checked and its kind is found; the first is the
@@ -156,4 +159,6 @@ __all__ = [
     "BY_NAME", "DEFAULT", "KINDS", "LATER_FIELDS", "OUTPUT_KINDS", "ExactValue", "Interval", "Kind",
     "NeuronKind", "QuantCode", "QuantizedCode", "StuckBits", "Unreadable",
     "check_conflict", "check_spec", "for_pin", "of", "output_kind", "payload_field", "register", "split",
+    # for kinds defined outside the library
+    "Expected", "Target", "merge_paired", "per_element", "pin_field", "shared_positions", "sort_with_index",
 ]
