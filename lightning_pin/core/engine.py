@@ -523,15 +523,6 @@ class PinEngine:
                 target.parameter.grad = None
                 self._dropped.add(target.name)
 
-    def _owned(self, optimizer: Optimizer | None) -> list[Target]:
-        return self._step_plan(optimizer).owned
-
-    def _step_work(self, optimizer: Optimizer | None) -> tuple[list[Target], list[Projection], int, list[Target]]:
-        """``(targets, fault projections, elements, whole-tensor targets)`` of the active pins on
-        ``optimizer``'s parameters (default: all): see :meth:`_step_plan`."""
-        plan = self._step_plan(optimizer)
-        return plan.owned, plan.faults, plan.elements, plan.wholes
-
     def _step_plan(self, optimizer: Optimizer | None) -> _StepPlan:
         """What a step of ``optimizer`` (default: all) runs under the active pins, built once per set
         of active pins (and captured targets) and param-group layout, then reused step after step.
