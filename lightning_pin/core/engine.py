@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import warnings
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, Optional
 
@@ -150,6 +151,14 @@ class _StepPlan:
     kernels: list[Callable[[], None]]
 
 
+# C-level pieces of mask_all_grads's loop over many small tensors (no Python frame per tensor):
+# a parameter's .grad, "is None", a tensor's dtype, and a consumer that runs a map without keeping its results.
+_GRAD = operator.attrgetter("grad")
+_IS_NONE = functools.partial(operator.is_, None)
+_DTYPE = operator.attrgetter("dtype")
+_CONSUME = deque(maxlen=0).extend
+
+
 def _apply_to_parameter(projection: Projection) -> None:
     """A projection's general restore on its parameter's data (the step plan's fallback kernel)."""
     projection.apply(projection.target.parameter.data)
@@ -195,6 +204,9 @@ class PinEngine:
         # Gradient masks of the active pins by parameter name (see _build_grad_masks); None: stale.
         self._grad_masks: Optional[dict[str, Callable[[Tensor], None]]] = None
         self._grad_mask_pairs: list[tuple[Tensor, Callable[[Tensor], None]]] = []
+        # The masks that are one put_ of zeros, column by column: the parameters, the positions, the
+        # zeros, their dtype, and each one's general mask (see _build_grad_masks).
+        self._grad_puts: tuple[list[Any], ...] = ([], [], [], [], [])
         # The step plan of each optimizer (by id; None: all): what a steady-state step runs, built
         # when ``_version`` moves (the active pins or their captured targets change) or the
         # optimizer's param groups do. See _step_plan.
@@ -488,13 +500,25 @@ class PinEngine:
         """Per pinned parameter, what zeroes its active pinned gradients: kept until the active
         pins, their targets or a compiled step's dense masks change (``_grad_masks = None``)."""
         masks: dict[str, Callable[[Tensor], None]] = {}
+        # Few pinned elements in a dense tensor (the common case of a deep model) are zeroed by one
+        # put_ each, run from C over the whole list by mask_all_grads: no Python frame per tensor.
+        pairs: list[tuple[Tensor, Callable[[Tensor], None]]] = []
+        puts: tuple[list[Any], ...] = ([], [], [], [], [])
         for target in self.targets():
             if self._dense_grad_masks:
                 masks[target.name] = functools.partial(self._zero_grad, target)
             else:
                 masks[target.name] = target.mask_grad
+            put = None if self._dense_grad_masks else target.grad_zeros()
+            if put is None:
+                pairs.append((target.parameter, masks[target.name]))
+            else:
+                row = (target.parameter, *put, put[1].dtype, masks[target.name])
+                for column, item in zip(puts, row):
+                    column.append(item)
         self._grad_masks = masks
-        self._grad_mask_pairs = [(self.plan.parameters[name], mask) for name, mask in masks.items()]
+        self._grad_mask_pairs = pairs
+        self._grad_puts = puts
         return masks
 
     @torch.no_grad()
@@ -505,6 +529,15 @@ class PinEngine:
         tensors get a zero gradient, as from the hooks."""
         if self._grad_masks is None:
             self._build_grad_masks()
+        parameters, positions, zeros, dtypes, slow = self._grad_puts
+        if parameters:
+            grads = list(map(_GRAD, parameters))
+            if not any(map(_IS_NONE, grads)) and list(map(_DTYPE, grads)) == dtypes:
+                _CONSUME(map(Tensor.put_, grads, positions, zeros))
+            else:  # a missing gradient, or one cast since (refused before the step): one at a time
+                for grad, mask in zip(grads, slow):
+                    if grad is not None:
+                        mask(grad)
         for parameter, mask in self._grad_mask_pairs:
             grad = parameter.grad
             if grad is not None:

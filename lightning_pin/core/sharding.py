@@ -135,6 +135,18 @@ class Target:
         flat, positions, _ = self.part(grad)
         fill_at(flat, positions, 0)
 
+    def grad_zeros(self) -> tuple[Tensor, Tensor] | None:
+        """``(positions, zeros)`` such that ``grad.put_(positions, zeros)`` zeroes the pinned
+        elements of a dense gradient of this parameter (what :meth:`mask_grad` does for few
+        elements), for a caller that masks many small tensors at once; None where
+        :meth:`mask_grad` takes another path (a whole tensor, many elements, a sharded one)."""
+        wide = self._wide
+        if wide is None or self.index is None or wide.numel() > PUT_LIMIT or is_sharded(self.parameter):
+            return None
+        parameter = self.parameter
+        self._zeros = zeros = shared_zeros(self.index.numel(), parameter.dtype, parameter.device)
+        return wide, zeros
+
     def _fast_restore(self) -> tuple[int, Tensor, Tensor, Tensor, bool] | None:
         """What :meth:`restore_dense` needs, cached while the parameter's storage stays put (checked
         by ``data_ptr``: a ``.data`` swap or a move makes a new one); None if sharded or whole."""
@@ -274,7 +286,7 @@ def flat_view(tensor: Tensor, index: Tensor, cache: dict | None = None, key: Any
 
 
 #: Indices converted to int64 at a time: bounds the transient memory of int32 -> int64 to 8 MiB.
-_CONVERT_CHUNK = 1 << 20
+_CONVERT_CHUNK = 1 << 18
 
 #: Element pins of at most this many elements are written with ``put_`` (restore, gradient mask),
 #: larger ones with ``index_copy_`` / ``index_fill_`` on a flat view: ``put_`` costs less to call
