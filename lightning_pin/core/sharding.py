@@ -132,8 +132,33 @@ class Target:
             if grad.is_contiguous():
                 grad.view(-1).index_fill_(0, self._wide, 0)
                 return
+        if self._keep_dense(grad):
+            return
         flat, positions, _ = self.part(grad)
         fill_at(flat, positions, 0)
+
+    def _keep_dense(self, grad: Tensor) -> bool:
+        """Zero a dense pin of many elements with one pass over ``grad``: its words ANDed with a
+        kept mask of int8 (-1 where free, 0 where pinned; sign-extended to the word, so the pinned
+        words become +0.0 exactly as ``index_fill_`` writes them). From :data:`DENSE_FRACTION` of
+        the tensor on, that pass costs less than widening the indices and scattering zeros, and
+        the mask (one byte an element) less memory than the int32 indices. False: not such a case."""
+        index = self.index
+        if (
+            index is None
+            or index.numel() < DENSE_FRACTION * grad.numel()
+            or grad.element_size() not in _WORDS
+            or not grad.is_contiguous()
+            or is_sharded(grad)
+        ):
+            return False
+        keep = self._keep
+        if keep is None or keep.device != grad.device or keep.numel() != grad.numel():
+            keep = torch.full((grad.numel(),), -1, dtype=torch.int8, device=grad.device)
+            fill_at(keep, index.to(grad.device), 0)
+            self._keep = keep
+        grad.view(-1).view(_WORDS[grad.element_size()]).bitwise_and_(keep)
+        return True
 
     def grad_zeros(self) -> tuple[Tensor, Tensor] | None:
         """``(positions, zeros)`` such that ``grad.put_(positions, zeros)`` zeroes the pinned
@@ -175,6 +200,7 @@ class Target:
         self._fast: tuple[int, Tensor, Tensor, Tensor, bool] | None = None
         self._flat_values: Tensor | None = None
         self._zeros: Tensor | None = None
+        self._keep: Tensor | None = None  # see _keep_dense
 
     def flat(self, tensor: Tensor) -> tuple[Tensor, Tensor | None]:
         """``(view, positions)`` of :meth:`part`, without the targets."""
@@ -285,7 +311,8 @@ def flat_view(tensor: Tensor, index: Tensor, cache: dict | None = None, key: Any
     return tensor.as_strided((tensor.numel(),), (1,)), positions
 
 
-#: Indices converted to int64 at a time: bounds the transient memory of int32 -> int64 to 8 MiB.
+#: Indices converted to int64 at a time: the transient int64 copy (2 MiB) stays in cache for the
+#: kernel that reads it (measured ~10% faster than 1M at a time on 3M elements).
 _CONVERT_CHUNK = 1 << 18
 
 #: Element pins of at most this many elements are written with ``put_`` (restore, gradient mask),
@@ -293,6 +320,13 @@ _CONVERT_CHUNK = 1 << 18
 #: (about 1 us less per tensor here, which is what a step over hundreds of small tensors pays per
 #: tensor), the index kernels less per element (10-25% fewer ns per element from ~10,000 on).
 PUT_LIMIT = 4096
+
+#: From this fraction of a tensor's elements on, a gradient mask is one dense pass with an int8
+#: mask (see Target._keep_dense) rather than a scatter of zeros: measured on 2 CPU threads over
+#: 6.25M elements, the dense pass costs about the same at any fraction (~2 ms), the scatter
+#: with widened indices ~1.4 ms at 20% and ~3.2 ms at 50%.
+DENSE_FRACTION = 1 / 3
+_WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 #: Index tensors of at most this many elements get an int64 copy, made once and kept as long as
 #: the index lives (8 more bytes per pinned element, at most 512 KiB per tensor): there the fixed

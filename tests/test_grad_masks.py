@@ -1,0 +1,134 @@
+"""Gradient masks on their fast paths: one C-level map of ``put_`` over many small tensors
+(``PinEngine.mask_all_grads``) and one dense pass with an int8 mask for pins of many elements
+(``Target._keep_dense``) write the same words as the general mask, ``index_fill_`` of zeros."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lightning_pin import Pin, pin
+from lightning_pin.core import sharding
+from lightning_pin.core.sharding import Target
+
+_WORD = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+         torch.float64: torch.int64}
+
+
+def _grad_with_specials(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random gradient words with inf, -inf, NaN and -0.0 sprinkled in (what a scatter of zeros overwrites)."""
+    generator = torch.Generator().manual_seed(seed)
+    grad = torch.randn(numel, generator=generator).to(dtype)
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0], dtype=dtype)
+    at = torch.randint(0, numel, (max(1, numel // 5),), generator=generator)
+    grad[at] = specials[torch.arange(at.numel()) % 4]
+    return grad
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    numel=st.integers(3, 400),
+    fraction=st.floats(0.34, 1.0),
+    dtype=st.sampled_from(list(_WORD)),
+    seed=st.integers(0, 2**16),
+)
+def test_the_dense_mask_writes_the_words_index_fill_writes(numel, fraction, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    count = max(1, min(numel, round(fraction * numel)))
+    index = torch.randperm(numel, generator=generator)[:count].sort().values.int()
+    parameter = nn.Parameter(torch.zeros(numel, dtype=dtype))
+    target = Target("w", parameter, index, torch.zeros(count, dtype=dtype))
+    grad = _grad_with_specials(numel, dtype, seed)
+    expected = grad.clone().index_fill_(0, index.long(), 0)
+
+    assert target._keep_dense(grad)
+    assert torch.equal(grad.view(_WORD[dtype]), expected.view(_WORD[dtype]))
+
+
+def test_mask_grad_takes_the_dense_pass_from_a_third_of_the_elements_on(monkeypatch):
+    monkeypatch.setattr(sharding, "WIDE_LIMIT", 4)  # no int64 copy: the path a large pin takes
+    numel = 90
+    for count, dense in ((29, False), (30, True), (90, True)):
+        index = torch.arange(0, numel, numel // count, dtype=torch.int32)[:count]
+        target = Target("w", nn.Parameter(torch.zeros(numel)), index, torch.zeros(count))
+        grad = _grad_with_specials(numel, torch.float32, count)
+        expected = grad.clone().index_fill_(0, index.long(), 0)
+        target.mask_grad(grad)
+        assert (target._keep is not None) is dense
+        assert torch.equal(grad.view(torch.int32), expected.view(torch.int32))
+
+
+def test_a_permuted_gradient_is_masked_by_the_general_path():
+    parameter = nn.Parameter(torch.zeros(4, 6))
+    index = torch.arange(0, 24, 2, dtype=torch.int32)  # half the elements, row-major
+    target = Target("w", parameter, index, torch.zeros(12))
+    grad = _grad_with_specials(24, torch.float32, 3).view(6, 4).t()  # (4, 6), not contiguous
+    expected = grad.contiguous().view(-1).index_fill_(0, index.long(), 0).view(4, 6)
+    assert not target._keep_dense(grad)
+    target.mask_grad(grad)
+    assert target._keep is None
+    assert torch.equal(grad.contiguous().view(torch.int32), expected.view(torch.int32))
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_many_small_masks_run_as_one_map_and_match_one_at_a_time():
+    torch.manual_seed(0)
+    model = _Stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = [f"layers.{i}.weight" for i in range(6)]
+    with pin(model, opt, [Pin(names, fraction=0.25, seed=4, value=0.5)]) as handle:
+        engine = handle.engine
+        model(torch.randn(3, 8)).sum().backward()  # the end of backward masks them
+        engine._build_grad_masks()
+        assert len(engine._grad_puts[0]) == 6 and not engine._grad_mask_pairs  # all on the mapped path
+        for name in names:
+            grad = model.get_parameter(name).grad
+            index = engine.plan.pins[0].selections[name].index.long()
+            assert torch.equal(grad.view(-1)[index], torch.zeros(index.numel()))
+            assert grad.view(-1).ne(0).sum() > 0  # the free elements keep theirs
+
+        # A missing gradient (a layer out of this backward) or a cast one (refused before the step,
+        # masked all the same): one at a time, the same words.
+        model.zero_grad()
+        model.double()
+        model(torch.randn(3, 8, dtype=torch.float64)).sum().backward()
+        model.layers[2].weight.grad = None
+        engine.mask_all_grads()
+        assert model.layers[2].weight.grad is None
+        for name in names[:2] + names[3:]:
+            grad = model.get_parameter(name).grad
+            index = engine.plan.pins[0].selections[name].index.long()
+            assert grad.dtype == torch.float64
+            assert torch.equal(grad.view(-1)[index], torch.zeros(index.numel(), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_a_training_loop_holds_with_either_mask(fraction, monkeypatch):
+    monkeypatch.setattr(sharding, "WIDE_LIMIT", 4)  # large pins: widened per call, dense from a third on
+    torch.manual_seed(1)
+    model = _Stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    with pin(model, opt, [Pin("layers.1.weight", fraction=fraction, seed=2, value=0.125)]) as handle:
+        for _ in range(3):
+            model(torch.randn(5, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        handle.verify()
+        target = handle.engine.targets()[0]
+        assert (target._keep is not None) is (fraction > 1 / 3)
+        state = opt.state[model.layers[1].weight]
+        index = handle.engine.plan.pins[0].selections["layers.1.weight"].index.long()
+        assert torch.equal(state["exp_avg"].view(-1)[index], torch.zeros(index.numel()))
