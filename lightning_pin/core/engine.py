@@ -130,6 +130,16 @@ def _step_stats(elements: int, device: torch.device, moved: Sequence[Tensor], af
     )
 
 
+# C-level pieces of the loops over many small tensors (mask_all_grads, _StepPlan.run; no Python
+# frame per tensor): a parameter's .grad, "is None", a tensor's dtype and data_ptr, and a consumer
+# that runs a map without keeping its results.
+_GRAD = operator.attrgetter("grad")
+_IS_NONE = functools.partial(operator.is_, None)
+_DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = Tensor.data_ptr
+_CONSUME = deque(maxlen=0).extend
+
+
 @dataclasses.dataclass
 class _StepPlan:
     """What a steady-state step of one optimizer runs under the active pins (see PinEngine._step_plan)."""
@@ -149,14 +159,22 @@ class _StepPlan:
     #: The restore of every kernel, one call each with its constants bound (a step with whole
     #: tensors of the frozen kind takes the general path: see PinEngine.restore).
     kernels: list[Callable[[], None]]
+    #: The value pins restored by one put_ each, run from C, column by column: the parameters,
+    #: their storage's data_ptr when built, the data, the positions, the values, and each one's
+    #: bound kernel (what runs if a storage moved). Not in ``kernels``.
+    puts: tuple[list[Any], ...]
 
-
-# C-level pieces of mask_all_grads's loop over many small tensors (no Python frame per tensor):
-# a parameter's .grad, "is None", a tensor's dtype, and a consumer that runs a map without keeping its results.
-_GRAD = operator.attrgetter("grad")
-_IS_NONE = functools.partial(operator.is_, None)
-_DTYPE = operator.attrgetter("dtype")
-_CONSUME = deque(maxlen=0).extend
+    def run(self) -> None:
+        """Restore every pin of the plan into its parameter's own data (a steady step's restore)."""
+        parameters, ptrs, data, positions, values, kernels = self.puts
+        if data:
+            if list(map(_DATA_PTR, parameters)) == ptrs:
+                _CONSUME(map(Tensor.put_, data, positions, values))
+            else:  # a parameter's storage moved (a .data swap): each by its own kernel, which follows it
+                for kernel in kernels:
+                    kernel()
+        for kernel in self.kernels:
+            kernel()
 
 
 def _apply_to_parameter(projection: Projection) -> None:
@@ -586,10 +604,22 @@ class PinEngine:
         owned = [v.target for v in owned_values]
         elements = sum(p.elements for p in owned_values) + sum(f.elements for f in owned_faults)
         wholes = [t for t in owned if t.index is None]
-        kernels = [p.kernel() or functools.partial(_apply_to_parameter, p) for p in owned_values + owned_faults]
+        # Value pins of few elements in a dense tensor are one put_ each, run from C over all of them
+        # (see restore); every other pin is one bound kernel (its kind's, or its general apply).
+        puts: tuple[list[Any], ...] = ([], [], [], [], [], [])
+        kernels = []
+        for projection in owned_values + owned_faults:
+            put = projection.target.put_restore() if projection.frozen else None
+            if put is None:
+                kernels.append(projection.kernel() or functools.partial(_apply_to_parameter, projection))
+                continue
+            ptr, data, positions, values = put
+            row = (projection.target.parameter, ptr, data, positions, values, projection.target.kernel())
+            for column, item in zip(puts, row):
+                column.append(item)
         layout = () if optimizer is None else tuple(len(group["params"]) for group in optimizer.param_groups)
         plan = self._step_plans[id(optimizer)] = _StepPlan(
-            self._version, layout, owned, owned_faults, elements, wholes, kernels
+            self._version, layout, owned, owned_faults, elements, wholes, kernels, puts
         )
         return plan
 
@@ -632,8 +662,8 @@ class PinEngine:
         if measure or plan.wholes or self._fused:
             self._restore_general(optimizer, plan, measure)
             return
-        for kernel in plan.kernels:
-            kernel()
+        if plan.kernels or plan.puts[0]:
+            plan.run()
         self.last_step_active = self.active
         if hooks:
             for hook, _ in list(hooks.values()):

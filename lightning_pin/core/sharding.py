@@ -113,6 +113,15 @@ class Target:
 
         return restore
 
+    def put_restore(self) -> tuple[int, Tensor, Tensor, Tensor] | None:
+        """``(data_ptr, data, positions, values)`` such that ``data.put_(positions, values)``
+        restores this pin while the parameter's storage stays at ``data_ptr``: what a step plan
+        runs from C over many small tensors at once; None where :meth:`kernel` takes another path."""
+        fast = self._fast_restore()
+        if fast is None or not fast[4]:
+            return None
+        return fast[0], fast[1], fast[2], fast[3]
+
     def mask_grad(self, grad: Tensor) -> None:
         """Zero the pinned elements of ``grad`` (all of it for a whole tensor): ``put_`` of shared
         zeros for few elements (row-major whatever the strides: no view, no translation),
