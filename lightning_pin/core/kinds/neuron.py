@@ -807,7 +807,10 @@ class NeuronHold:
                 composed = self._composed_for(name, first)
             if not composed.writes:
                 return None
-            stuck = composed.apply(first)
+            if composed.bits_mask is None:  # stuck values alone (the common case): apply, written out
+                stuck = torch.where(composed.value_mask, composed.values, first)
+            else:
+                stuck = composed.apply(first)
             return (stuck, *output[1:]) if isinstance(output, tuple) else stuck
 
         return hook
