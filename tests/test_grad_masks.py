@@ -93,7 +93,7 @@ def test_many_small_masks_run_as_one_map_and_match_one_at_a_time():
         engine = handle.engine
         model(torch.randn(3, 8)).sum().backward()  # the end of backward masks them
         engine._build_grad_masks()
-        assert len(engine._grad_puts[0]) == 6 and not engine._grad_mask_pairs  # all on the mapped path
+        assert len(engine._all_grad_masks.puts[0]) == 6 and not engine._all_grad_masks.pairs  # all mapped
         for name in names:
             grad = model.get_parameter(name).grad
             index = engine.plan.pins[0].selections[name].index.long()

@@ -140,6 +140,46 @@ _DATA_PTR = Tensor.data_ptr
 _CONSUME = deque(maxlen=0).extend
 
 
+#: One pinned parameter's gradient mask: (name, parameter, (positions, zeros) for a put_ or None, its mask).
+_MaskRow = tuple[str, Tensor, Optional[tuple[Tensor, Tensor]], Callable[[Tensor], None]]
+
+
+class _GradMasks:
+    """What zeroes the active pinned gradients of a set of parameters: few elements in a dense
+    tensor by one ``put_`` of zeros each, mapped from C over all of them (no Python frame per
+    tensor: a deep model's step), every other tensor by its own mask."""
+
+    def __init__(self, rows: Sequence[_MaskRow]) -> None:
+        #: Every row ``(name, parameter, (positions, zeros) or None, mask)``, to take subsets of.
+        self.rows = list(rows)
+        puts = [(parameter, *put, put[1].dtype, mask) for _, parameter, put, mask in self.rows if put is not None]
+        #: Column by column: the parameters, positions, zeros, their dtype, each one's general mask.
+        self.puts: tuple[list[Any], ...] = tuple([*column] for column in zip(*puts)) if puts else ([],) * 5
+        #: The parameters masked one at a time, with their masks.
+        self.pairs = [(parameter, mask) for _, parameter, put, mask in self.rows if put is None]
+
+    def subset(self, names: Iterable[str]) -> _GradMasks:
+        """The masks of the parameters ``names`` only (one optimizer's)."""
+        chosen = set(names)
+        return _GradMasks([row for row in self.rows if row[0] in chosen])
+
+    def run(self) -> None:
+        """Zero the pinned elements of every present gradient."""
+        parameters, positions, zeros, dtypes, masks = self.puts
+        if parameters:
+            grads = list(map(_GRAD, parameters))
+            if not any(map(_IS_NONE, grads)) and list(map(_DTYPE, grads)) == dtypes:
+                _CONSUME(map(Tensor.put_, grads, positions, zeros))
+            else:  # a missing gradient, or one cast since (refused before the step): one at a time
+                for grad, mask in zip(grads, masks):
+                    if grad is not None:
+                        mask(grad)
+        for parameter, mask in self.pairs:
+            grad = parameter.grad
+            if grad is not None:
+                mask(grad)
+
+
 @dataclasses.dataclass
 class _StepPlan:
     """What a steady-state step of one optimizer runs under the active pins (see PinEngine._step_plan)."""
@@ -221,10 +261,9 @@ class PinEngine:
         self._written_version: dict[str, int] = {}
         # Gradient masks of the active pins by parameter name (see _build_grad_masks); None: stale.
         self._grad_masks: Optional[dict[str, Callable[[Tensor], None]]] = None
-        self._grad_mask_pairs: list[tuple[Tensor, Callable[[Tensor], None]]] = []
-        # The masks that are one put_ of zeros, column by column: the parameters, the positions, the
-        # zeros, their dtype, and each one's general mask (see _build_grad_masks).
-        self._grad_puts: tuple[list[Any], ...] = ([], [], [], [], [])
+        self._all_grad_masks = _GradMasks([])
+        # Per optimizer (by id): (its step plan, the masks, its parameters' _GradMasks) for mask_grads.
+        self._owned_grad_masks: dict[int, tuple[_StepPlan, dict[str, Callable[[Tensor], None]], _GradMasks]] = {}
         # The step plan of each optimizer (by id; None: all): what a steady-state step runs, built
         # when ``_version`` moves (the active pins or their captured targets change) or the
         # optimizer's param groups do. See _step_plan.
@@ -518,25 +557,16 @@ class PinEngine:
         """Per pinned parameter, what zeroes its active pinned gradients: kept until the active
         pins, their targets or a compiled step's dense masks change (``_grad_masks = None``)."""
         masks: dict[str, Callable[[Tensor], None]] = {}
-        # Few pinned elements in a dense tensor (the common case of a deep model) are zeroed by one
-        # put_ each, run from C over the whole list by mask_all_grads: no Python frame per tensor.
-        pairs: list[tuple[Tensor, Callable[[Tensor], None]]] = []
-        puts: tuple[list[Any], ...] = ([], [], [], [], [])
+        rows = []
         for target in self.targets():
             if self._dense_grad_masks:
                 masks[target.name] = functools.partial(self._zero_grad, target)
             else:
                 masks[target.name] = target.mask_grad
             put = None if self._dense_grad_masks else target.grad_zeros()
-            if put is None:
-                pairs.append((target.parameter, masks[target.name]))
-            else:
-                row = (target.parameter, *put, put[1].dtype, masks[target.name])
-                for column, item in zip(puts, row):
-                    column.append(item)
+            rows.append((target.name, target.parameter, put, masks[target.name]))
         self._grad_masks = masks
-        self._grad_mask_pairs = pairs
-        self._grad_puts = puts
+        self._all_grad_masks = _GradMasks(rows)
         return masks
 
     @torch.no_grad()
@@ -547,19 +577,7 @@ class PinEngine:
         tensors get a zero gradient, as from the hooks."""
         if self._grad_masks is None:
             self._build_grad_masks()
-        parameters, positions, zeros, dtypes, slow = self._grad_puts
-        if parameters:
-            grads = list(map(_GRAD, parameters))
-            if not any(map(_IS_NONE, grads)) and list(map(_DTYPE, grads)) == dtypes:
-                _CONSUME(map(Tensor.put_, grads, positions, zeros))
-            else:  # a missing gradient, or one cast since (refused before the step): one at a time
-                for grad, mask in zip(grads, slow):
-                    if grad is not None:
-                        mask(grad)
-        for parameter, mask in self._grad_mask_pairs:
-            grad = parameter.grad
-            if grad is not None:
-                mask(grad)
+        self._all_grad_masks.run()
 
     @torch.no_grad()
     def drop_whole_grads(self, optimizer: Optimizer | None = None) -> None:
@@ -632,10 +650,13 @@ class PinEngine:
         """
         self.drop_whole_grads(optimizer)
         masks = self._grad_masks if self._grad_masks is not None else self._build_grad_masks()
-        for target in self._step_plan(optimizer).owned:
-            grad = target.parameter.grad
-            if grad is not None:
-                masks[target.name](grad)
+        plan = self._step_plan(optimizer)
+        # The masks of this optimizer's pinned parameters, kept while the plan and the masks are.
+        kept = self._owned_grad_masks.get(id(optimizer))
+        if kept is None or kept[0] is not plan or kept[1] is not masks:
+            owned = self._all_grad_masks.subset(target.name for target in plan.owned)
+            kept = self._owned_grad_masks[id(optimizer)] = (plan, masks, owned)
+        kept[2].run()
 
     def _zero_grad(self, target: Target, grad: Tensor) -> None:
         # A compiled step (compile_step=True) may mask this tensor with a dense mask of its own.
