@@ -148,6 +148,13 @@ class _StepPlan:
     #: The restore of every kernel, one call each with its constants bound (a step with whole
     #: tensors of the frozen kind takes the general path: see PinEngine.restore).
     kernels: list[Callable[[], None]]
+    #: The parameters whose storage the kernels are bound to, and where it was (``data_ptr``).
+    bound: tuple[Tensor, ...] = ()
+    storage: tuple[int, ...] = ()
+
+
+#: ``data_ptr`` of a tensor, as a C function ``map`` calls without a Python frame (the step plan's check).
+_data_ptr = Tensor.data_ptr
 
 
 def _apply_to_parameter(projection: Projection) -> None:
@@ -553,10 +560,19 @@ class PinEngine:
         owned = [v.target for v in owned_values]
         elements = sum(p.elements for p in owned_values) + sum(f.elements for f in owned_faults)
         wholes = [t for t in owned if t.index is None]
-        kernels = [p.kernel() or functools.partial(_apply_to_parameter, p) for p in owned_values + owned_faults]
+        # Each kernel is bound to its parameter's storage; a sharded one reads its shard at every call.
+        kernels, bound = [], []
+        for p in owned_values + owned_faults:
+            parameter = p.target.parameter
+            if is_sharded(parameter):
+                kernels.append(functools.partial(_apply_to_parameter, p))
+            else:
+                kernels.append(p.kernel(parameter.data))
+                bound.append(parameter)
         layout = () if optimizer is None else tuple(len(group["params"]) for group in optimizer.param_groups)
         plan = self._step_plans[id(optimizer)] = _StepPlan(
-            self._version, layout, owned, owned_faults, elements, wholes, kernels
+            self._version, layout, owned, owned_faults, elements, wholes, kernels, tuple(bound),
+            tuple(map(_data_ptr, bound)),
         )
         return plan
 
@@ -599,6 +615,8 @@ class PinEngine:
         if measure or plan.wholes or self._fused:
             self._restore_general(optimizer, plan, measure)
             return
+        if tuple(map(_data_ptr, plan.bound)) != plan.storage:  # a .data swap since: bind the kernels again
+            plan = self._build_step_plan(optimizer)
         for kernel in plan.kernels:
             kernel()
         self.last_step_active = self.active

@@ -51,7 +51,7 @@ HOOKS = (
     # the saved form: the pin state, check / diff on stored tensors, fault-map files
     "check_saved", "stored_off", "map_entries", "map_pin",
     # the kernel (an instance)
-    "apply", "kernel", "drift", "off",
+    "kernel", "drift", "off",
 )
 
 
@@ -474,7 +474,7 @@ class Kind:
 
     def __init__(self, target: Target) -> None:
         self.target = target
-        self._split: dict[tuple[int, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
+        self._split: dict[tuple[int, torch.device, torch.dtype], tuple[Tensor, Tensor, Tensor]] = {}
         self._scratch: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
     @property
@@ -488,32 +488,41 @@ class Kind:
         index = self.target.index
         return self.target.parameter.numel() if index is None else index.numel()
 
-    def apply(self, tensor: Tensor) -> None:
-        """Project ``tensor`` (the parameter's data, or a copy of the weights) in place."""
+    def kernel(self, tensor: Tensor) -> Callable[[], None]:
+        """The projection of ``tensor`` (the parameter's data, or a copy of the weights) in place, as
+        one call with every constant bound (positions, payload halves in ``tensor``'s dtype, scratch).
+        Built when the active pins change (it may sync) and run after every optimizer step while they
+        stay the same; whoever keeps it builds it again once ``tensor``'s storage moves (a ``.data``
+        swap). Its tensor ops are the kind's restore: nothing else is called per step."""
         raise NotImplementedError
 
-    def kernel(self) -> Optional[Callable[[], None]]:
-        """:meth:`apply` on the parameter's own data as one call with every constant bound: what a
-        step plan runs after each optimizer step while the active pins stay the same. Built when
-        they change (it may sync); None (the default) runs :meth:`apply` instead."""
-        return None
+    def apply(self, tensor: Tensor) -> None:
+        """Project ``tensor`` in place once: :meth:`kernel` built and run."""
+        self.kernel(tensor)()
 
-    def _dense(self) -> Optional[tuple[torch.nn.Parameter, int, Tensor, Optional[Tensor]]]:
-        """``(parameter, data_ptr, view, positions)`` for a kernel on a dense parameter: ``view`` is
-        its data (flat for element pins, positions int64), or None where only :meth:`apply` can
-        work (sharded, permuted, or too many elements to keep a second index)."""
-        parameter = self.target.parameter
-        data = parameter.data
-        if is_sharded(data):
-            return None
-        if self.target.index is None:
-            return parameter, parameter.data_ptr(), data, None
-        if not data.is_contiguous():
-            return None
-        wide = wide_index(self.target.index.to(data.device))
-        if wide is None:
-            return None
-        return parameter, parameter.data_ptr(), data.view(-1), wide
+    def _gather(
+        self, tensor: Tensor, words: Optional[torch.dtype] = None
+    ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Callable[..., Any]]]:
+        """``(view, payload, index, scratch, put)`` for a :meth:`kernel` on ``tensor``: :meth:`Target.part`
+        (``view`` read as ``words``, an integer dtype of the same width, if given) and, for element pins,
+        what gathers them into ``scratch`` and writes them back: ``torch.index_select(view, 0, index,
+        out=scratch)`` then ``put(0, index, scratch)`` (``view.index_copy_``: no Python frame). For a
+        whole tensor ``index``, ``scratch`` and ``put`` are None. The scratch is kept per dtype and
+        device, so a kernel built again (``apply``) allocates nothing in steady state."""
+        view, positions, payload = self.target.part(tensor)
+        if words is not None:
+            view = view.view(words)  # the same bytes: no copy, no rounding
+        if positions is None:
+            return view, payload, None, None, None
+        positions = positions.to(view.device)
+        key = (view.dtype, view.device)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.numel() != positions.numel():
+            scratch = self._scratch[key] = torch.empty(positions.numel(), dtype=view.dtype, device=view.device)
+        wide = wide_index(positions)
+        if wide is None:  # too many elements to keep a second index: widened a chunk at a time
+            return view, payload, positions, scratch, functools.partial(_put_chunked, view)
+        return view, payload, wide, scratch, view.index_copy_
 
     def drift(self, tensor: Tensor) -> Tensor:
         """``|x - P(x)|`` of the elements, flat, in float32 or wider (0 where they hold)."""
@@ -540,36 +549,22 @@ class Kind:
         actual = view.reshape(-1) if positions is None else view.index_select(0, positions)
         return view, positions, payload, actual
 
-    def _update_at(self, flat: Tensor, positions: Tensor, update: Callable[[Tensor], object]) -> None:
-        """``flat[positions] = update(flat[positions])`` with ``update`` working in place on a
-        gathered copy: three kernels and, in steady state, no allocation and no index conversion
-        (the gathered elements live in a scratch buffer kept per dtype and device)."""
-        positions = positions.to(flat.device)
-        wide = wide_index(positions)
-        if wide is None:  # too many elements to keep a second index: the general path
-            gathered = flat.index_select(0, positions)
-            update(gathered)
-            copy_at(flat, positions, gathered)
-            return
-        key = (flat.dtype, flat.device)
-        scratch = self._scratch.get(key)
-        if scratch is None or scratch.numel() != wide.numel():
-            scratch = self._scratch[key] = torch.empty(wide.numel(), dtype=flat.dtype, device=flat.device)
-        torch.index_select(flat, 0, wide, out=scratch)
-        update(scratch)
-        flat.index_copy_(0, wide, scratch)
-
     def _halves(self, payload: Tensor, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The two halves of a paired payload (last dimension 2), contiguous, on ``device``.
 
         Split once per payload (a shard has its own) and device, then reused at every step.
         """
-        key = (id(payload), device)
+        key = (id(payload), device, dtype)
         cached = self._split.get(key)
         if cached is None or cached[0] is not payload:
             first, second = (payload[..., i].contiguous().to(device=device, dtype=dtype) for i in (0, 1))
             cached = self._split[key] = (payload, first, second)
         return cached[1], cached[2]
+
+
+def _put_chunked(flat: Tensor, dim: int, positions: Tensor, values: Tensor) -> None:
+    """``put`` of :meth:`Kind._gather` for int32 positions too many to widen at once (see ``copy_at``)."""
+    copy_at(flat, positions, values)
 
 
 def _target_differs(selection: Selection, saved: SavedSelection, name: str) -> list[str]:

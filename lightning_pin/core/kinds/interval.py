@@ -186,38 +186,20 @@ class Interval(Kind):
         actual = view.reshape(-1) if positions is None else view.index_select(0, positions.to(view.device))
         return actual, low.reshape(-1), high.reshape(-1)
 
-    def apply(self, tensor: Tensor) -> None:
-        view, positions, low, high = self._parts(tensor)
-        if positions is None:
-            view.clamp_(min=low, max=high)
-        else:
-            self._update_at(view, positions, lambda values: values.clamp_(min=low, max=high))
-
-    def kernel(self) -> Optional[Callable[[], None]]:
-        dense = self._dense()
-        if dense is None:
-            return None
-        parameter, ptr, view, wide = dense
-        low, high = self._halves(self.target.values, view.device, view.dtype)
-        apply = self.apply
-        if wide is None:
+    def kernel(self, tensor: Tensor) -> Callable[[], None]:
+        view, payload, index, scratch, put = self._gather(tensor)
+        low, high = self._halves(payload, view.device, view.dtype)
+        if index is None:
 
             def clamp_whole() -> None:
-                if parameter.data_ptr() != ptr:
-                    apply(parameter.data)
-                else:
-                    view.clamp_(min=low, max=high)
+                view.clamp_(min=low, max=high)
 
             return clamp_whole
-        scratch = torch.empty(wide.numel(), dtype=view.dtype, device=view.device)
 
         def clamp() -> None:
-            if parameter.data_ptr() != ptr:
-                apply(parameter.data)
-                return
-            torch.index_select(view, 0, wide, out=scratch)
+            torch.index_select(view, 0, index, out=scratch)
             scratch.clamp_(min=low, max=high)
-            view.index_copy_(0, wide, scratch)
+            put(0, index, scratch)
 
         return clamp
 

@@ -546,46 +546,42 @@ class QuantizedCode(Kind):
         code = self.code
         return dequantize(stick(codes, zero, one, code.bits, code.signed), s, code.zero_point, flat.dtype)
 
-    def apply(self, tensor: Tensor) -> None:
-        view, positions, _ = self.target.part(tensor)
-        if positions is None:
-            flat = view.reshape(-1)
-            flat.copy_(self._held(flat, flat.device))
-        else:
-            self._update_at(view, positions, lambda gathered: gathered.copy_(self._held(gathered, gathered.device)))
-
-    def kernel(self) -> Optional[Callable[[], None]]:
-        # The constants of _held (scales per element, code-bit masks) bound once: the restore is
-        # then the arithmetic alone. A learned scale (code.named) is read at every restore: apply.
-        dense = self._dense()
-        if dense is None or self.code.named:
-            return None
-        parameter, ptr, view, wide = dense
-        if wide is None and not view.is_contiguous():
-            return None
-        flat = view.reshape(-1)
-        device, dtype, compute = flat.device, flat.dtype, self._compute
-        s = self._scales(device)
-        zero, one = self._halves(self.target.values, device, torch.int32)
+    def kernel(self, tensor: Tensor) -> Callable[[], None]:
+        # The constants of _held (scales per element, code-bit masks) bound once: the restore is then
+        # the arithmetic alone. A learned scale (code.named) is read at every restore, in the call.
+        view, _, index, scratch, put = self._gather(tensor)
+        # A whole tensor is worked on flat, in row-major order (the order of its channels): in place
+        # where it is contiguous, else in a contiguous copy read and written back at every call.
+        strided = index is None and not view.is_contiguous()
+        if index is None:
+            scratch = torch.empty(view.shape, dtype=view.dtype, device=view.device) if strided else view
+            scratch = scratch.view(-1)
+        device, dtype, compute = view.device, view.dtype, self._compute
         code = self.code
+        zero, one = self._halves(self.target.values, device, torch.int32)
         zero_point, qmin, qmax, bits, signed = code.zero_point, code.qmin, code.qmax, code.bits, code.signed
         keep = ((1 << bits) - 1) & ~zero  # stick()'s (q & full) & ~zero in one mask
-        apply = self.apply
-        scratch = flat if wide is None else torch.empty(wide.numel(), dtype=dtype, device=device)
+        fixed = None if code.named else self._scales(device)
+        learned, channel = self.scale, self.channel.to(device)
 
         def restore() -> None:
-            if parameter.data_ptr() != ptr:
-                apply(parameter.data)
-                return
-            if wide is not None:
-                torch.index_select(flat, 0, wide, out=scratch)
+            if index is not None:
+                torch.index_select(view, 0, index, out=scratch)
+            elif strided:
+                scratch.view(view.shape).copy_(view)
+            s = fixed
+            if s is None:  # a learned scale: what the module holds now (_scales)
+                s = learned.detach().reshape(-1).to(device=device, dtype=compute)
+                s = s.expand(channel.numel()) if s.numel() == 1 else s.index_select(0, channel)
             codes = torch.clamp(torch.round(scratch.to(compute) / s) + zero_point, qmin, qmax).to(torch.int32)
             pattern = (codes & keep) | one
             if signed:
                 pattern = pattern - ((pattern >> (bits - 1)) & 1) * (1 << bits)
             scratch.copy_(((pattern - zero_point).to(compute) * s).to(dtype))
-            if wide is not None:
-                flat.index_copy_(0, wide, scratch)
+            if index is not None:
+                put(0, index, scratch)
+            elif strided:
+                view.copy_(scratch.view(view.shape))
 
         return restore
 

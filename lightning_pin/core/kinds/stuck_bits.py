@@ -225,40 +225,20 @@ class StuckBits(Kind):
         actual = ints.reshape(-1) if positions is None else ints.index_select(0, positions.to(ints.device))
         return actual, keep.reshape(-1), set_.reshape(-1)
 
-    def apply(self, tensor: Tensor) -> None:
-        ints, positions, keep, set_ = self._bits(tensor)
-        if positions is None:
-            ints.bitwise_and_(keep).bitwise_or_(set_)
-        else:
-            self._update_at(ints, positions, lambda bits: bits.bitwise_and_(keep).bitwise_or_(set_))
-
-    def kernel(self) -> Optional[Callable[[], None]]:
-        dense = self._dense()
-        if dense is None:
-            return None
-        parameter, ptr, view, wide = dense
-        payload = self.target.values
-        ints = view.view(payload.dtype)
+    def kernel(self, tensor: Tensor) -> Callable[[], None]:
+        ints, payload, index, scratch, put = self._gather(tensor, self.target.values.dtype)
         keep, set_ = self._halves(payload, ints.device, payload.dtype)
-        apply = self.apply
-        if wide is None:
+        if index is None:
 
             def stick_whole() -> None:
-                if parameter.data_ptr() != ptr:
-                    apply(parameter.data)
-                else:
-                    ints.bitwise_and_(keep).bitwise_or_(set_)
+                ints.bitwise_and_(keep).bitwise_or_(set_)
 
             return stick_whole
-        scratch = torch.empty(wide.numel(), dtype=ints.dtype, device=ints.device)
 
         def stick() -> None:
-            if parameter.data_ptr() != ptr:
-                apply(parameter.data)
-                return
-            torch.index_select(ints, 0, wide, out=scratch)
+            torch.index_select(ints, 0, index, out=scratch)
             scratch.bitwise_and_(keep).bitwise_or_(set_)
-            ints.index_copy_(0, wide, scratch)
+            put(0, index, scratch)
 
         return stick
 
