@@ -7,8 +7,8 @@ payload, the summary's words, its conflicts with other pins on one element. Its 
 pin state, a stored tensor in a checkpoint or an export, a fault map, a forced fault) is read
 through one generic protocol written here from the kind's data. An
 instance is the restore kernel of one parameter's elements under active pins of the kind: a
-*projection* onto the set the pins allow, sync-free, with :meth:`Kind.drift` and
-:meth:`Kind.off` for the monitor and ``verify()``.
+*projection* onto the set the pins allow (:meth:`Kind.kernel`, sync-free), with :meth:`Kind.drift`
+and :meth:`Kind.off` for the monitor, ``verify()`` and, through the saved form, stored tensors.
 
 Nothing here imports the plan, the engine or Lightning: ``lightning-pin check`` / ``diff``
 (:mod:`lightning_pin.reporting`) ask the kinds about stored tensors too.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Optional
 
@@ -29,7 +28,7 @@ from torch import Tensor
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds._common import merge_rounds
 from lightning_pin.core.selection import SavedSelection, Selection
-from lightning_pin.core.sharding import Target, copy_at, is_sharded, wide_index
+from lightning_pin.core.sharding import Target, copy_at, wide_index
 from lightning_pin.core.spec import Pin
 
 __all__ = ["Expected", "HOOKS", "Kind", "Reader", "Unreadable", "pin_field", "read_field", "show"]
@@ -42,15 +41,16 @@ Reader = Callable[[str, Any], Any]
 Expected = Callable[[int], "float | str"]
 
 
-#: What a kind implements (it may leave out those with a default: check_spec, check_fits,
-#: check_overlap, check_saved, stored_off, map_entries, map_pin, kernel). Everything else a kind is
-#: asked is implemented once in :class:`Kind` from its data (class attributes).
+#: What a kind implements, 12 methods (it may leave out those with a default: check_spec,
+#: check_fits, check_overlap, check_saved, map_entries, map_pin). Everything else a kind is asked
+#: (``apply``, the saved form, ``check`` / ``diff`` on stored tensors, forced faults, fault-map
+#: merging, messages) is implemented once in :class:`Kind` from its data (class attributes).
 HOOKS = (
     # the spec and the plan
     "check_spec", "resolve", "describe", "check_fits", "check_overlap", "merge",
-    # the saved form: the pin state, check / diff on stored tensors, fault-map files
-    "check_saved", "stored_off", "map_entries", "map_pin",
-    # the kernel (an instance)
+    # the saved form: refusing a payload no spec gives, fault-map files
+    "check_saved", "map_entries", "map_pin",
+    # the kernel (an instance): the restore with its constants bound, the monitor's drift, what breaks the pin
     "kernel", "drift", "off",
 )
 
@@ -85,12 +85,15 @@ class Kind:
     - the plan: :meth:`resolve` (the fields on one parameter, into ``selection.payload``),
       :meth:`describe`, :meth:`check_fits`, :meth:`check_overlap`;
     - the kernel: :meth:`merge` (the selections of one parameter under the active pins into an
-      instance), then :meth:`apply` (optionally bound once as :meth:`kernel` for the step plan),
+      instance), then :meth:`kernel` (the restore of a tensor as one call with its constants bound:
+      the step plan runs it after every optimizer step; :meth:`apply` is it built and run once),
       :meth:`drift` and :meth:`off`;
     - the saved form: ``selection.payload`` itself (see :meth:`saved`), refused where no spec of
-      the kind can give it by :meth:`check_saved`; a stored tensor is checked by :meth:`stored_off`
-      (by default: :meth:`off` of the kernel merged from the saved form) and a forced fault writes
-      :meth:`apply`'s words (see :meth:`word_rewrite`);
+      the kind can give it by :meth:`check_saved`. Everything that reads it goes through one
+      protocol: :meth:`from_saved` (the kernel merged from saved selections, on a stand-in of the
+      stored elements), :meth:`stored_off` (its :meth:`off` on a stored tensor: ``check``,
+      ``diff``), :meth:`stored_bind` (what it reads beside the tensor) and :meth:`word_rewrite`
+      (its :meth:`apply` on the stored words: a forced fault, a bit flip);
     - fault-map files: :meth:`map_entries` and :meth:`map_pin` (by default the :attr:`map_fields` of
       the payload); how two pins' entries merge and what cannot hold together follow :attr:`map_fold`.
 
@@ -122,6 +125,9 @@ class Kind:
     dtype_field: ClassVar[Optional[str]] = None
     #: What a saved payload field belongs to, in the message of a mismatch ("" names the parameter alone).
     saved_owner: ClassVar[str] = ""
+    #: How ``check`` / ``diff`` word what a stored element must hold, from the words of :meth:`off`
+    #: (``"bounds {expected}"``); numbers (a value's target) are left as numbers.
+    stored_example: ClassVar[str] = "{expected}"
     #: Why ``verify`` cannot read the kind in a copy of another dtype: "its stuck bits are bits of"
     #: (the parameter's dtype follows); "" reads any copy.
     copy_words: ClassVar[str] = ""
@@ -211,18 +217,6 @@ class Kind:
     @classmethod
     def check_saved(cls, payload: Mapping[str, Tensor], at: str, corrupt: Callable[[str], Exception]) -> None:
         """Refuse a saved payload no spec of the kind can give."""
-
-    @classmethod
-    def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
-        """``(off, expected)`` for the elements ``values`` (flat, in the selection's order) of a
-        stored tensor: which break the saved selection, and what element ``i`` must hold. By
-        default :meth:`off` of the kernel merged from the saved form, on the stored elements.
-
-        Raises:
-            Unreadable: the stored tensor cannot be checked for this kind (a word of another width).
-        """
-        _, off, expected = cls.from_saved(saved, values).off(values.reshape(-1))
-        return off, expected
 
     # ------------------------------------------------------------------------------------
     # Fault-map files (lightning_pin.faults.fault_map): one entry per element and field
@@ -320,21 +314,68 @@ class Kind:
         return problems
 
     @classmethod
-    def from_saved(cls, saved: SavedSelection, values: Tensor) -> Kind:
-        """The kernel of a saved selection on its stored elements ``values`` (flat, in the
-        selection's order): merged as the engine merges it, on a stand-in parameter of those
-        elements (what :meth:`stored_off` and :meth:`word_rewrite` read)."""
+    def stored_off(cls, values: Tensor, saved: SavedSelection | Sequence[SavedSelection]) -> tuple[Tensor, Expected]:
+        """``(off, expected)`` for a stored tensor (a checkpoint's, an export's): which elements of
+        ``values`` (flat) break the saved selection, and what element ``i`` of them must hold (a
+        number, or words: :attr:`stored_example`). ``values`` holds the stored elements of one
+        selection (in the selection's order), or the whole stored tensor for several selections of
+        one parameter, merged as the engine merges them (an explicit value beats a captured one).
+        It is :meth:`off` of the kernel merged from the saved form, :meth:`from_saved`.
+
+        Raises:
+            Unreadable: the stored tensor cannot be checked for this kind (a word of another width).
+            IndexError: selections outside the stored tensor (an index past its end, a whole-tensor
+                payload of another size).
+        """
         flat = values.detach().reshape(-1)
+        kernel = cls.from_saved(saved, flat)
+        _, off, expected = kernel.off(flat)
+        if cls.stored_example != "{expected}":
+            words = expected
+
+            def expected(i: int) -> float | str:
+                said = words(i)
+                return cls.stored_example.format(expected=said) if isinstance(said, str) else said
+
+        index = kernel.target.index
+        if index is None:
+            return off, expected
+        index = index.long()
+        every = torch.zeros(flat.numel(), dtype=torch.bool, device=off.device)
+        every[index] = off
+        by_position = expected
+        return every, lambda i: by_position(int(torch.searchsorted(index, i)))
+
+    @classmethod
+    def from_saved(cls, saved: SavedSelection | Sequence[SavedSelection], values: Tensor) -> Kind:
+        """The kernel of a saved selection on its stored elements ``values`` (flat, in the
+        selection's order), or of several saved selections of one parameter on the whole stored
+        tensor ``values`` (read flat; the kernel's ``target.index`` says where its elements are):
+        merged as the engine merges them, on a stand-in parameter of those elements in their
+        stored dtype (what :meth:`stored_off` reads).
+
+        Raises:
+            Unreadable: a selection that holds no target (a ``value=None`` pin never activated).
+            IndexError: selections outside ``values`` (several selections only).
+        """
+        flat = values.detach().reshape(-1)
+        one = isinstance(saved, SavedSelection)
+        selections = [saved] if one else list(saved)
         stand_in = torch.nn.Parameter(torch.empty_like(flat), requires_grad=False)
-        payload = {
-            field: tensor if field in cls.selection_fields else tensor.reshape(-1)
-            for field, tensor in saved.payload.items()
-        }
-        target = None if saved.target is None else saved.target.reshape(-1)
-        # What merge reads of a selection (a Selection of the plan, which the kinds do not import).
-        selection = types.SimpleNamespace(name="stored", parameter=stand_in, index=None, values=target, how="saved",
-                                          kind=cls.kind, payload=payload, context={})
-        kernel = cls.merge("stored", stand_in, [selection], [None])
+        entries, captured = [], []
+        for selection in selections:
+            payload = {
+                field: tensor if field in cls.selection_fields else tensor.reshape(-1)
+                for field, tensor in selection.payload.items()
+            }
+            target = None if selection.target is None else selection.target.reshape(-1)
+            index = None if one else selection.index
+            if not one:
+                _check_fits_stored(selection, target, payload, cls.selection_fields, flat.numel())
+            # What merge reads of a selection (a Selection of the plan, which the kinds do not import).
+            entries.append(_Stored(stand_in, index, target if selection.explicit else None, cls.kind, payload))
+            captured.append(None if selection.explicit else target)
+        kernel = cls.merge("stored", stand_in, entries, captured)
         if kernel is None:
             raise Unreadable(cls.words, "a target")
         return kernel
@@ -342,7 +383,8 @@ class Kind:
     @classmethod
     def stored_bind(cls, saved: SavedSelection, tensors: Mapping[str, Tensor]) -> SavedSelection:
         """``saved`` with its :attr:`named_fields` read from the stored artifact's other tensors (by
-        name), before :meth:`stored_off` (a quantized code's learned scale is stored beside its weight)."""
+        name), before :meth:`stored_off` (a quantized code's learned scale is stored beside its weight;
+        unbound, :meth:`off` raises :class:`Unreadable`)."""
         payload = dict(saved.payload)
         for field, name_field in cls.named_fields.items():
             name = bytes(payload[name_field].tolist()).decode()
@@ -560,6 +602,32 @@ class Kind:
             first, second = (payload[..., i].contiguous().to(device=device, dtype=dtype) for i in (0, 1))
             cached = self._split[key] = (payload, first, second)
         return cached[1], cached[2]
+
+
+class _Stored:
+    """A saved selection as :meth:`Kind.merge` reads a selection (see :meth:`Kind.from_saved`)."""
+
+    name, how = "stored", "saved"
+
+    def __init__(self, parameter: torch.nn.Parameter, index: Optional[Tensor], values: Optional[Tensor], kind: str,
+                 payload: dict[str, Tensor]) -> None:
+        self.parameter, self.index, self.values, self.kind, self.payload = parameter, index, values, kind, payload
+        self.context: dict[str, Any] = {}
+
+
+def _check_fits_stored(
+    selection: SavedSelection, target: Optional[Tensor], payload: Mapping[str, Tensor], per_selection: Sequence[str],
+    numel: int,
+) -> None:
+    """Refuse, with an IndexError, a saved selection that does not lie inside a stored tensor of ``numel`` elements."""
+    index = selection.index
+    if index is None:
+        count = target.numel() if target is not None else next(
+            (t.numel() for f, t in payload.items() if f not in per_selection), numel)
+        if count != numel:
+            raise IndexError(f"{count} targets for {numel} elements")
+    elif index.numel() and int(index.max()) >= numel:
+        raise IndexError(f"index {int(index.max())} for {numel} elements")
 
 
 def _put_chunked(flat: Tensor, dim: int, positions: Tensor, values: Tensor) -> None:

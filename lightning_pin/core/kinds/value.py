@@ -25,7 +25,7 @@ from lightning_pin.core.kinds._common import is_int as _is_int
 from lightning_pin.core.kinds._common import sort_with_index
 from lightning_pin.core.kinds.base import Expected, Kind, Reader
 from lightning_pin.core.layouts import _Layout
-from lightning_pin.core.selection import SavedSelection, Selection
+from lightning_pin.core.selection import Selection
 from lightning_pin.core.sharding import Target, copy_at, is_sharded
 from lightning_pin.core.spec import Pin, check_value, number_leaves
 
@@ -128,11 +128,6 @@ class ExactValue(Kind):
         return cls(Target(name, parameter, index, values, _by_strides=layout.by_strides))
 
     @classmethod
-    def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
-        target = saved.target.reshape(-1)
-        return differs(values, target), lambda i: target[i].item()
-
-    @classmethod
     def map_entries(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Any]:
         if selection is None:
             if pin.value is None:
@@ -175,9 +170,11 @@ class ExactValue(Kind):
         return deviation if deviation.dtype in (torch.float32, torch.float64) else deviation.float()
 
     def off(self, tensor: Tensor) -> tuple[Tensor, Tensor, Expected]:
+        """Bit for bit (:func:`differs`: NaN equals NaN, -0.0 differs from 0.0); a tensor of another
+        dtype (a copy, a stored tensor) by value in float64."""
         _, _, values, actual = self._elements(tensor)
         expected = values.reshape(-1).to(actual.device)
-        return actual, actual != expected, lambda position: expected[position].item()
+        return actual, differs(actual, expected), lambda position: expected[position].item()
 
 
 def _is_data_of(tensor: Tensor, parameter: torch.nn.Parameter) -> bool:
