@@ -81,13 +81,22 @@ class Grid(Kind):
         index, step, _ = merge_paired(parameter, [e.index for e in entries], pairs, (zero, zero), lambda a, b, side: b)
         return cls(Target(name, parameter, index, step))
 
-    def apply(self, tensor: Tensor) -> None:
-        view, positions, step = self.target.part(tensor)
-        step = step.to(device=view.device, dtype=view.dtype)
-        if positions is None:
-            view.copy_(torch.round(view / step) * step)
-        else:
-            self._update_at(view, positions, lambda x: x.copy_(torch.round(x / step.reshape(-1)) * step.reshape(-1)))
+    def kernel(self, tensor: Tensor) -> Callable[[], None]:
+        view, step, index, scratch, put = self._gather(tensor)
+        step = step.reshape(view.shape if index is None else (-1,)).to(device=view.device, dtype=view.dtype)
+        if index is None:
+
+            def round_whole() -> None:
+                view.copy_(torch.round(view / step) * step)
+
+            return round_whole
+
+        def round_elements() -> None:
+            torch.index_select(view, 0, index, out=scratch)
+            scratch.copy_(torch.round(scratch / step) * step)
+            put(0, index, scratch)
+
+        return round_elements
 
     def drift(self, tensor: Tensor) -> Tensor:
         _, _, step, actual = self._elements(tensor)

@@ -131,12 +131,11 @@ def _step_stats(elements: int, device: torch.device, moved: Sequence[Tensor], af
 
 
 # C-level pieces of the loops over many small tensors (mask_all_grads, _StepPlan.run; no Python
-# frame per tensor): a parameter's .grad, "is None", a tensor's dtype and data_ptr, and a consumer
+# frame per tensor): a parameter's .grad, "is None", a tensor's dtype, and a consumer
 # that runs a map without keeping its results.
 _GRAD = operator.attrgetter("grad")
 _IS_NONE = functools.partial(operator.is_, None)
 _DTYPE = operator.attrgetter("dtype")
-_DATA_PTR = Tensor.data_ptr
 _CONSUME = deque(maxlen=0).extend
 
 
@@ -199,22 +198,25 @@ class _StepPlan:
     #: The restore of every kernel, one call each with its constants bound (a step with whole
     #: tensors of the frozen kind takes the general path: see PinEngine.restore).
     kernels: list[Callable[[], None]]
-    #: The value pins restored by one put_ each, run from C, column by column: the parameters,
-    #: their storage's data_ptr when built, the data, the positions, the values, and each one's
-    #: bound kernel (what runs if a storage moved). Not in ``kernels``.
-    puts: tuple[list[Any], ...]
+    #: The parameters whose storage the kernels are bound to, and where it was (``data_ptr``).
+    bound: tuple[Tensor, ...] = ()
+    storage: tuple[int, ...] = ()
+    #: The value pins of few elements in a dense tensor, restored by one put_ each mapped from C
+    #: (no Python frame per tensor), column by column: the data, the positions, the values. Their
+    #: parameters are among ``bound``; they have no entry in ``kernels``.
+    puts: tuple[Sequence[Tensor], ...] = ((), (), ())
 
     def run(self) -> None:
         """Restore every pin of the plan into its parameter's own data (a steady step's restore)."""
-        parameters, ptrs, data, positions, values, kernels = self.puts
+        data, positions, values = self.puts
         if data:
-            if list(map(_DATA_PTR, parameters)) == ptrs:
-                _CONSUME(map(Tensor.put_, data, positions, values))
-            else:  # a parameter's storage moved (a .data swap): each by its own kernel, which follows it
-                for kernel in kernels:
-                    kernel()
+            _CONSUME(map(Tensor.put_, data, positions, values))
         for kernel in self.kernels:
             kernel()
+
+
+#: ``data_ptr`` of a tensor, as a C function ``map`` calls without a Python frame (the step plan's check).
+_data_ptr = Tensor.data_ptr
 
 
 def _apply_to_parameter(projection: Projection) -> None:
@@ -622,22 +624,26 @@ class PinEngine:
         owned = [v.target for v in owned_values]
         elements = sum(p.elements for p in owned_values) + sum(f.elements for f in owned_faults)
         wholes = [t for t in owned if t.index is None]
-        # Value pins of few elements in a dense tensor are one put_ each, run from C over all of them
-        # (see restore); every other pin is one bound kernel (its kind's, or its general apply).
-        puts: tuple[list[Any], ...] = ([], [], [], [], [], [])
-        kernels = []
-        for projection in owned_values + owned_faults:
-            put = projection.target.put_restore() if projection.frozen else None
-            if put is None:
-                kernels.append(projection.kernel() or functools.partial(_apply_to_parameter, projection))
+        # Each kernel is bound to its parameter's storage; a sharded one reads its shard at every call.
+        # Value pins of few elements in a dense tensor are one put_ each, mapped from C (_StepPlan.run).
+        kernels, bound = [], []
+        puts: tuple[list[Tensor], ...] = ([], [], [])
+        for p in owned_values + owned_faults:
+            parameter = p.target.parameter
+            if is_sharded(parameter):
+                kernels.append(functools.partial(_apply_to_parameter, p))
                 continue
-            ptr, data, positions, values = put
-            row = (projection.target.parameter, ptr, data, positions, values, projection.target.kernel())
-            for column, item in zip(puts, row):
-                column.append(item)
+            bound.append(parameter)
+            put = p.target.put_restore() if p.frozen else None
+            if put is None:
+                kernels.append(p.kernel(parameter.data))
+            else:
+                for column, item in zip(puts, put[1:]):
+                    column.append(item)
         layout = () if optimizer is None else tuple(len(group["params"]) for group in optimizer.param_groups)
         plan = self._step_plans[id(optimizer)] = _StepPlan(
-            self._version, layout, owned, owned_faults, elements, wholes, kernels, puts
+            self._version, layout, owned, owned_faults, elements, wholes, kernels, tuple(bound),
+            tuple(map(_data_ptr, bound)), puts,
         )
         return plan
 
@@ -683,6 +689,8 @@ class PinEngine:
         if measure or plan.wholes or self._fused:
             self._restore_general(optimizer, plan, measure)
             return
+        if tuple(map(_data_ptr, plan.bound)) != plan.storage:  # a .data swap since: bind the kernels again
+            plan = self._build_step_plan(optimizer)
         if plan.kernels or plan.puts[0]:
             plan.run()
         self.last_step_active = self.active

@@ -39,7 +39,6 @@ from lightning_pin.core import kinds
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.io import TENSOR_FILE_SUFFIXES, TensorFileError, load_tensors
 from lightning_pin.core.state import PinState, SavedSelection, find_pin_states
-from lightning_pin.core.kinds.value import differs
 
 __all__ = [
     "ARTIFACT_SUFFIXES", "ArtifactCheck", "Candidate", "CheckError", "CheckResult", "EXPORT_EXTRA",
@@ -244,17 +243,17 @@ def check_artifacts(
     ]
     merged = {key: _parameters(state) for key, state in states.items()}
     elements = sum(
-        _count_elements(entries, faults, _shape_of(entries, faults, weights.get(name)))
+        _count_elements(selections, _shape_of(selections, weights.get(name)))
         for by_name in merged.values()
-        for name, (entries, faults) in by_name.items()
+        for name, selections in by_name.items()
     )
     results = []
     for artifact in artifacts:
         reader = _open_artifact(artifact)
         checks: list[ParameterCheck] = []
         for key, by_name in merged.items():
-            for name, (entries, faults) in by_name.items():
-                checks.append(_check_parameter(reader, key, name, entries, faults, weights.get(name), known))
+            for name, selections in by_name.items():
+                checks.append(_check_parameter(reader, key, name, selections, weights.get(name), known))
         results.append(ArtifactCheck(reader.label, reader.kind, tuple(checks), reader.exporter))
     return CheckResult(label, tuple(states), tuple(results), tuple(skipped), elements)
 
@@ -355,40 +354,20 @@ def _unchecked(state: PinState) -> dict[int, str]:
     return reasons
 
 
-#: Per parameter: (pin id, flat index or None for the whole tensor, target), lowest priority first.
-_Entries = list[tuple[int, Optional[Tensor], Tensor]]
-#: Per parameter: (pin id, saved selection) of each checked pin of another kind (stuck bits, bounds, ...).
-_Faults = list[tuple[int, SavedSelection]]
+#: Per parameter: (pin id, saved selection) of each checked pin that holds something, in pin order.
+_Selections = list[tuple[int, SavedSelection]]
 
 
-def _parameters(state: PinState) -> dict[str, tuple[_Entries, _Faults]]:
-    """Per pinned parameter (in the order the pins name them): its value entries and its faults."""
-    values = _merged_entries(state)
-    faults: dict[str, _Faults] = {}
+def _parameters(state: PinState) -> dict[str, _Selections]:
+    """Per pinned parameter (in the order the pins name them): the saved selections of the checked
+    pins, each kind's to be read through the kind (see :func:`_compare`)."""
+    by_name: dict[str, _Selections] = {}
     for pin_id in sorted(state.checked_pins):
         for name, selection in state.pins[pin_id].items():
-            if not kinds.of(selection.kind).frozen:  # value targets are merged above, faults one by one
-                faults.setdefault(name, []).append((pin_id, selection))
-    names = [name for pin_id in sorted(state.checked_pins) for name in state.pins[pin_id]]
-    return {
-        name: (values.get(name, []), faults.get(name, []))
-        for name in dict.fromkeys(names)
-        if name in values or name in faults
-    }
-
-
-def _merged_entries(state: PinState) -> dict[str, _Entries]:
-    """The targets the checked pins hold, per parameter, in the engine's order of precedence:
-    captured values first, explicit ones after, so that an explicit value wins on an element a
-    ``value=None`` pin also selects (freeze a layer, force one element of it)."""
-    # Parameters in the order the pins name them; entries by precedence.
-    by_name: dict[str, _Entries] = {name: [] for pin_id in sorted(state.checked_pins) for name in state.pins[pin_id]}
-    for explicit in (False, True):
-        for pin_id in sorted(state.checked_pins):
-            for name, selection in state.pins[pin_id].items():
-                if selection.target is not None and selection.explicit == explicit:
-                    by_name[name].append((pin_id, selection.index, selection.target))
-    return {name: entries for name, entries in by_name.items() if entries}
+            if kinds.of(selection.kind).frozen and selection.target is None:
+                continue  # a value=None pin that never activated: nothing to hold yet
+            by_name.setdefault(name, []).append((pin_id, selection))
+    return by_name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -607,15 +586,14 @@ def _check_parameter(
     reader: _Reader,
     key: str,
     name: str,
-    entries: _Entries,
-    faults: _Faults,
+    selections: _Selections,
     trained: Optional[Tensor],
     known: set[str],
 ) -> ParameterCheck:
-    pins = tuple(sorted({pin_id for pin_id, _, _ in entries} | {pin_id for pin_id, _ in faults}))
-    shape = _shape_of(entries, faults, trained)
-    target_dtype = _target_dtype(entries, faults, trained)
-    elements = _count_elements(entries, faults, shape)
+    pins = tuple(sorted({pin_id for pin_id, _ in selections}))
+    shape = _shape_of(selections, trained)
+    target_dtype = _target_dtype(selections, trained)
+    elements = _count_elements(selections, shape)
 
     def problem(text: str, **extra: Any) -> ParameterCheck:
         return ParameterCheck(name, key, pins, elements, extra.pop("tensor", None), None, text,
@@ -626,7 +604,7 @@ def _check_parameter(
         return problem(f"ambiguous: the artifact's {', '.join(repr(a) for a in ambiguous)} could be other "
                        "parameters of the trained model")  # fmt: skip
     if tensor_name is None:
-        return problem("missing", candidates=_candidates(reader, shape, entries, faults, known))
+        return problem("missing", candidates=_candidates(reader, shape, selections, known))
     found_shape = reader.shapes[tensor_name]
     rewrites = reader.rewrites.get(tensor_name, ())
     if shape is not None and found_shape != shape:
@@ -639,8 +617,8 @@ def _check_parameter(
     # What a kind reads beside its own tensor (a quantized code's learned scale), from the artifact.
     beside = _Beside(reader, known)
     try:
-        faults = [(pin_id, kinds.of(s.kind).stored_bind(s, beside)) for pin_id, s in faults]
-        off, shown, elements = _compare(tensor, entries, faults)
+        selections = [(pin_id, kinds.of(s.kind).stored_bind(s, beside)) for pin_id, s in selections]
+        off, shown, elements = _compare(tensor, selections)
     except _Unreadable as err:
         return problem(str(err), tensor=tensor_name, rewrites=rewrites)
     except IndexError:
@@ -653,7 +631,7 @@ def _check_parameter(
 
 
 def _candidates(
-    reader: _Reader, shape: Optional[tuple[int, ...]], entries: _Entries, faults: _Faults, known: set[str]
+    reader: _Reader, shape: Optional[tuple[int, ...]], selections: _Selections, known: set[str]
 ) -> tuple[Candidate, ...]:
     """Unmatched artifact tensors of the parameter's shape or its transpose, compared with the
     targets (the first :data:`MAX_CANDIDATES` of them: each is read)."""
@@ -675,7 +653,7 @@ def _candidates(
         if tuple(tensor.shape) == flipped:
             readings.append((True, tensor.t()))
         try:
-            compared = [(_compare(t, entries, faults)[:2], transposed) for transposed, t in readings]
+            compared = [(_compare(t, selections)[:2], transposed) for transposed, t in readings]
         except (IndexError, _Unreadable):  # targets that do not fit this shape or dtype: not a copy
             continue
         (off, shown), transposed = min(compared, key=lambda c: c[0][0])
@@ -683,32 +661,35 @@ def _candidates(
     return tuple(found)
 
 
-def _shape_of(entries: _Entries, faults: _Faults, trained: Optional[Tensor]) -> Optional[tuple[int, ...]]:
+def _shape_of(selections: _Selections, trained: Optional[Tensor]) -> Optional[tuple[int, ...]]:
     """The parameter's shape in the trained model: from the pinned file's weights, else from a
-    whole-tensor target or fault; None when only element pins name it and the file holds no weights."""
+    whole-tensor selection's target or payload; None when only element pins name it and the file
+    holds no weights."""
     if trained is not None:
         return tuple(trained.shape)
-    whole = next((target for _, index, target in entries if index is None), None)
-    if whole is None:
-        whole = next((next(iter(s.payload.values())) for _, s in faults if s.index is None), None)
-    return None if whole is None else tuple(whole.shape)
+    for _, s in sorted(selections, key=lambda entry: not kinds.of(entry[1].kind).frozen):
+        if s.index is None:
+            return tuple((s.target if s.target is not None else next(iter(s.payload.values()))).shape)
+    return None
 
 
-def _target_dtype(entries: _Entries, faults: _Faults, trained: Optional[Tensor]) -> Optional[str]:
-    if entries:
-        dtype = entries[0][2].dtype
+def _target_dtype(selections: _Selections, trained: Optional[Tensor]) -> Optional[str]:
+    told = [(kinds.of(s.kind).frozen, kinds.of(s.kind).stored_dtype(s)) for _, s in selections]
+    frozen = [dtype for is_frozen, dtype in told if is_frozen and dtype is not None]
+    if frozen:
+        dtype = frozen[0]  # the targets'
     elif trained is not None:
         dtype = trained.dtype
     else:
-        told = [d for d in (kinds.of(s.kind).stored_dtype(s) for _, s in faults) if d is not None]
-        if not told:
+        others = [dtype for _, dtype in told if dtype is not None]
+        if not others:
             return None  # stuck bits alone: a word of known width, of unknown float type
-        dtype = told[0]
+        dtype = others[0]
     return str(dtype).replace("torch.", "")
 
 
-def _count_elements(entries: _Entries, faults: _Faults, shape: Optional[tuple[int, ...]]) -> int:
-    indices = [index for _, index, _ in entries] + [s.index for _, s in faults]
+def _count_elements(selections: _Selections, shape: Optional[tuple[int, ...]]) -> int:
+    indices = [s.index for _, s in selections]
     if any(index is None for index in indices):
         return _numel(shape) if shape is not None else 0
     return int(torch.unique(torch.cat([index.long() for index in indices])).numel())
@@ -721,53 +702,43 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _compare(tensor: Tensor, entries: _Entries, faults: _Faults = ()) -> tuple[int, tuple[OffTarget, ...], int]:
+def _compare(tensor: Tensor, selections: _Selections) -> tuple[int, tuple[OffTarget, ...], int]:
     """Off-target count, the first off-target elements, and the pinned element count.
 
-    Value pins must equal their targets bit for bit; stuck bits must read what they are stuck at
-    (compared on the stored words); bounded elements must lie in their interval.
+    Each kind reads the stored tensor through its saved form (``Kind.stored_off``): the selections
+    of a frozen kind (values) merged as the engine merges them (an explicit value beats a captured
+    one), those of the others one by one (each pin must hold).
 
     Raises:
-        IndexError: an index lies outside ``tensor`` (or a whole-tensor target has another size).
+        IndexError: an index lies outside ``tensor`` (or a whole-tensor selection has another size).
         _Unreadable: stuck bits of a word the artifact stores in another width.
     """
-    numel = tensor.numel()
     flat = tensor.reshape(-1)
+    numel = flat.numel()
+    groups: dict[type, list[SavedSelection]] = {}
+    for _, selection in selections:
+        kind = kinds.of(selection.kind)
+        if kind.frozen:
+            groups.setdefault(kind, []).append(selection)
+    groups_in_order = [(kind, group) for kind, group in groups.items()]
+    groups_in_order += [(kinds.of(s.kind), [s]) for _, s in selections if not kinds.of(s.kind).frozen]
     checked: list[Tensor] = []  # positions of every pinned element
     off_at: list[Tensor] = []  # positions of the off-target ones
     found: list[tuple[int, float, Optional[float], Optional[str]]] = []  # the first few: position, value, ...
-    if entries:
-        positions, targets = [], []
-        for _, index, target in entries:
-            positions.append(_positions(index, target.numel(), numel))
-            targets.append(target.reshape(-1))
-        position, target = torch.cat(positions), torch.cat(targets)
-        # Later entries win on shared elements (explicit after captured), as in the engine.
-        order = torch.argsort(position, stable=True)
-        position, target = position[order], target[order]
-        unique, counts = torch.unique_consecutive(position, return_counts=True)
-        target = target[counts.cumsum(0) - 1]
-        values = flat.index_select(0, unique)
-        off = differs(values, target)
-        checked.append(unique)
-        off_at.append(unique[off])
-        for w in off.nonzero().reshape(-1)[:MAX_SHOWN].tolist():
-            found.append((int(unique[w]), values[w].item(), target[w].item(), None))
-    for _, selection in faults:
-        count = next(iter(selection.payload.values())).numel()
-        position = _positions(selection.index, count, numel)
-        values = flat.index_select(0, position)
+    for kind, group in groups_in_order:
         try:
-            off, expected = kinds.of(selection.kind).stored_off(values, selection)
+            off, expected = kind.stored_off(flat, group)
         except kinds.Unreadable as err:
             raise _Unreadable(
                 f"it is stored as {str(tensor.dtype).replace('torch.', '')} in the artifact: its {err.what} are bits "
                 f"of {err.word}, which this artifact does not hold"
             ) from err
-        checked.append(position)
-        off_at.append(position[off])
-        for w in off.nonzero().reshape(-1)[:MAX_SHOWN].tolist():
-            found.append((int(position[w]), values[w].item(), None, expected(w)))
+        checked += [torch.arange(numel) if s.index is None else s.index.long() for s in group]
+        at = off.nonzero().reshape(-1)
+        off_at.append(at)
+        for w in at[:MAX_SHOWN].tolist():
+            said = expected(w)
+            found.append((w, flat[w].item(), None, said) if isinstance(said, str) else (w, flat[w].item(), said, None))
     elements = int(torch.unique(torch.cat(checked)).numel()) if checked else 0
     off_count = int(torch.unique(torch.cat(off_at)).numel()) if off_at else 0
     found.sort(key=lambda item: item[0])
@@ -776,17 +747,6 @@ def _compare(tensor: Tensor, entries: _Entries, faults: _Faults = ()) -> tuple[i
         for at, value, target, expected in found[:MAX_SHOWN]
     )
     return off_count, shown, elements
-
-
-def _positions(index: Optional[Tensor], count: int, numel: int) -> Tensor:
-    """Flat positions of a saved selection, checked against the artifact's element count."""
-    if index is None:
-        if count != numel:
-            raise IndexError(f"{count} targets for {numel} elements")
-        return torch.arange(numel)
-    if index.numel() and int(index.max()) >= numel:
-        raise IndexError(f"index {int(index.max())} for {numel} elements")
-    return index.long()
 
 
 def _coordinates(position: int, shape: tuple[int, ...]) -> tuple[int, ...]:

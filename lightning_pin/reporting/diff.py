@@ -219,7 +219,7 @@ def _check_pins(
     checks = []
     for pin_id, selections in enumerate(state.pins):
         for name, entry in selections.items():
-            index, target = entry.index, entry.target
+            index = entry.index
             tb, ta = weights_b.get(name), weights_a.get(name)
             reference = tb if tb is not None else ta
             elements = int(index.numel()) if index is not None else (reference.numel() if reference is not None else 0)
@@ -227,31 +227,26 @@ def _check_pins(
             if ta is not None and tb is not None and ta.shape == tb.shape:
                 changed = int(_differs(_select(ta, index), _select(tb, index)).sum())
             kind = kinds.of(entry.kind)
-            if not kind.frozen:  # stuck bits, bounds, ...: the kind compares the stored tensor
-                entry = kind.stored_bind(entry, weights_b)  # what it reads beside it (a learned scale)
-                off, problem = _fault_off(tb, entry)
-                shown = _shown(tb, [], [(pin_id, entry)]) if off else ()
-                told = kind.stored_dtype(entry)
-                checks.append(PinCheck(key, pin_id, name, elements, off, changed, pin_id in active, entry.kind,
-                                       problem, shown, _dtype(tb), None if told is None else _name(told)))
-                continue
-            if target is None:
+            if kind.frozen and entry.target is None:
                 # A pin with value=None that never activated has no target yet.
                 checks.append(PinCheck(key, pin_id, name, elements, None, None, False))
                 continue
-            off = _off_target(tb, index, target)
-            shown = _shown(tb, [(pin_id, index, target)], []) if off else ()
-            checks.append(PinCheck(key, pin_id, name, elements, off, changed, pin_id in active, shown=shown,
-                                   dtype=_dtype(tb), target_dtype=_dtype(target)))
+            # The kind reads the stored tensor through its saved form (a learned scale beside it).
+            entry = kind.stored_bind(entry, weights_b)
+            off, problem = _stored_off(tb, entry)
+            shown = _shown(tb, pin_id, entry) if off else ()
+            told = kind.stored_dtype(entry)
+            checks.append(PinCheck(key, pin_id, name, elements, off, changed, pin_id in active, entry.kind, problem,
+                                   shown, _dtype(tb), None if told is None else _name(told)))
     return checks
 
 
-def _shown(tensor: Optional[Tensor], entries: Any, faults: Any) -> tuple[_check.OffTarget, ...]:
+def _shown(tensor: Optional[Tensor], pin_id: int, entry: SavedSelection) -> tuple[_check.OffTarget, ...]:
     """The first off-target elements of one saved selection in ``tensor``, found as ``check`` finds them."""
     if tensor is None:
         return ()
     try:
-        return _check._compare(tensor, entries, faults)[1]
+        return _check._compare(tensor, [(pin_id, entry)])[1]
     except (IndexError, RuntimeError, _check._Unreadable):
         return ()
 
@@ -264,34 +259,21 @@ def _name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _fault_off(tensor: Optional[Tensor], entry: SavedSelection) -> tuple[Optional[int], Optional[str]]:
-    """Elements of a pin of a kind other than values (stuck bits, bounds) off target in ``tensor``,
-    or None and why not comparable: the kind compares (see ``Kind.stored_off``)."""
+def _stored_off(tensor: Optional[Tensor], entry: SavedSelection) -> tuple[Optional[int], Optional[str]]:
+    """Elements of one saved selection off target in ``tensor``, or None and why not comparable:
+    the kind compares (see ``Kind.stored_off``)."""
     if tensor is None:
         return None, "parameter missing in B"
-    index = entry.index
-    first = next(iter(entry.payload.values()))  # the state reader checked the payload's shapes
-    expected_shape = tuple(tensor.shape) if index is None else (index.numel(),)
-    outside = index is not None and index.numel() and int(index.max()) >= tensor.numel()
-    if tuple(first.shape) != expected_shape or outside:
+    whole = entry.target if entry.target is not None else next(iter(entry.payload.values()))
+    if entry.index is None and tuple(whole.shape) != tuple(tensor.shape):
         return None, "parameter reshaped in B"
     try:
-        off, _ = kinds.of(entry.kind).stored_off(_select(tensor, index), entry)
+        off, _ = kinds.of(entry.kind).stored_off(tensor, [entry])
+    except IndexError:
+        return None, "parameter reshaped in B"
     except kinds.Unreadable as err:
         return None, f"stored as {tensor.dtype} in B: {err.what} of {err.word} cannot be read there"
     return int(off.sum()), None
-
-
-def _off_target(tensor: Optional[Tensor], index: Optional[Tensor], target: Tensor) -> Optional[int]:
-    if tensor is None:
-        return None
-    expected_shape = tuple(tensor.shape) if index is None else (index.numel(),)
-    if tuple(target.shape) != expected_shape:
-        return None
-    if index is not None and index.numel() and int(index.max()) >= tensor.numel():
-        return None
-    values = _select(tensor, index)
-    return int((values != target.to(values.dtype).reshape(values.shape)).sum())
 
 
 # ----------------------------------------------------------------------------------------------

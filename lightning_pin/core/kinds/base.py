@@ -7,8 +7,8 @@ payload, the summary's words, its conflicts with other pins on one element. Its 
 pin state, a stored tensor in a checkpoint or an export, a fault map, a forced fault) is read
 through one generic protocol written here from the kind's data. An
 instance is the restore kernel of one parameter's elements under active pins of the kind: a
-*projection* onto the set the pins allow, sync-free, with :meth:`Kind.drift` and
-:meth:`Kind.off` for the monitor and ``verify()``.
+*projection* onto the set the pins allow (:meth:`Kind.kernel`, sync-free), with :meth:`Kind.drift`
+and :meth:`Kind.off` for the monitor, ``verify()`` and, through the saved form, stored tensors.
 
 Nothing here imports the plan, the engine or Lightning: ``lightning-pin check`` / ``diff``
 (:mod:`lightning_pin.reporting`) ask the kinds about stored tensors too.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Optional
 
@@ -29,7 +28,7 @@ from torch import Tensor
 from lightning_pin.core.errors import PinError
 from lightning_pin.core.kinds._common import merge_rounds
 from lightning_pin.core.selection import SavedSelection, Selection
-from lightning_pin.core.sharding import Target, copy_at, is_sharded, wide_index
+from lightning_pin.core.sharding import Target, copy_at, wide_index
 from lightning_pin.core.spec import Pin
 
 __all__ = ["Expected", "HOOKS", "Kind", "Reader", "Unreadable", "pin_field", "read_field", "show"]
@@ -42,16 +41,17 @@ Reader = Callable[[str, Any], Any]
 Expected = Callable[[int], "float | str"]
 
 
-#: What a kind implements (it may leave out those with a default: check_spec, check_fits,
-#: check_overlap, check_saved, stored_off, map_entries, map_pin, kernel). Everything else a kind is
-#: asked is implemented once in :class:`Kind` from its data (class attributes).
+#: What a kind implements, 12 methods (it may leave out those with a default: check_spec,
+#: check_fits, check_overlap, check_saved, map_entries, map_pin). Everything else a kind is asked
+#: (``apply``, the saved form, ``check`` / ``diff`` on stored tensors, forced faults, fault-map
+#: merging, messages) is implemented once in :class:`Kind` from its data (class attributes).
 HOOKS = (
     # the spec and the plan
     "check_spec", "resolve", "describe", "check_fits", "check_overlap", "merge",
-    # the saved form: the pin state, check / diff on stored tensors, fault-map files
-    "check_saved", "stored_off", "map_entries", "map_pin",
-    # the kernel (an instance)
-    "apply", "kernel", "drift", "off",
+    # the saved form: refusing a payload no spec gives, fault-map files
+    "check_saved", "map_entries", "map_pin",
+    # the kernel (an instance): the restore with its constants bound, the monitor's drift, what breaks the pin
+    "kernel", "drift", "off",
 )
 
 
@@ -85,12 +85,15 @@ class Kind:
     - the plan: :meth:`resolve` (the fields on one parameter, into ``selection.payload``),
       :meth:`describe`, :meth:`check_fits`, :meth:`check_overlap`;
     - the kernel: :meth:`merge` (the selections of one parameter under the active pins into an
-      instance), then :meth:`apply` (optionally bound once as :meth:`kernel` for the step plan),
+      instance), then :meth:`kernel` (the restore of a tensor as one call with its constants bound:
+      the step plan runs it after every optimizer step; :meth:`apply` is it built and run once),
       :meth:`drift` and :meth:`off`;
     - the saved form: ``selection.payload`` itself (see :meth:`saved`), refused where no spec of
-      the kind can give it by :meth:`check_saved`; a stored tensor is checked by :meth:`stored_off`
-      (by default: :meth:`off` of the kernel merged from the saved form) and a forced fault writes
-      :meth:`apply`'s words (see :meth:`word_rewrite`);
+      the kind can give it by :meth:`check_saved`. Everything that reads it goes through one
+      protocol: :meth:`from_saved` (the kernel merged from saved selections, on a stand-in of the
+      stored elements), :meth:`stored_off` (its :meth:`off` on a stored tensor: ``check``,
+      ``diff``), :meth:`stored_bind` (what it reads beside the tensor) and :meth:`word_rewrite`
+      (its :meth:`apply` on the stored words: a forced fault, a bit flip);
     - fault-map files: :meth:`map_entries` and :meth:`map_pin` (by default the :attr:`map_fields` of
       the payload); how two pins' entries merge and what cannot hold together follow :attr:`map_fold`.
 
@@ -122,6 +125,9 @@ class Kind:
     dtype_field: ClassVar[Optional[str]] = None
     #: What a saved payload field belongs to, in the message of a mismatch ("" names the parameter alone).
     saved_owner: ClassVar[str] = ""
+    #: How ``check`` / ``diff`` word what a stored element must hold, from the words of :meth:`off`
+    #: (``"bounds {expected}"``); numbers (a value's target) are left as numbers.
+    stored_example: ClassVar[str] = "{expected}"
     #: Why ``verify`` cannot read the kind in a copy of another dtype: "its stuck bits are bits of"
     #: (the parameter's dtype follows); "" reads any copy.
     copy_words: ClassVar[str] = ""
@@ -211,18 +217,6 @@ class Kind:
     @classmethod
     def check_saved(cls, payload: Mapping[str, Tensor], at: str, corrupt: Callable[[str], Exception]) -> None:
         """Refuse a saved payload no spec of the kind can give."""
-
-    @classmethod
-    def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
-        """``(off, expected)`` for the elements ``values`` (flat, in the selection's order) of a
-        stored tensor: which break the saved selection, and what element ``i`` must hold. By
-        default :meth:`off` of the kernel merged from the saved form, on the stored elements.
-
-        Raises:
-            Unreadable: the stored tensor cannot be checked for this kind (a word of another width).
-        """
-        _, off, expected = cls.from_saved(saved, values).off(values.reshape(-1))
-        return off, expected
 
     # ------------------------------------------------------------------------------------
     # Fault-map files (lightning_pin.faults.fault_map): one entry per element and field
@@ -320,21 +314,68 @@ class Kind:
         return problems
 
     @classmethod
-    def from_saved(cls, saved: SavedSelection, values: Tensor) -> Kind:
-        """The kernel of a saved selection on its stored elements ``values`` (flat, in the
-        selection's order): merged as the engine merges it, on a stand-in parameter of those
-        elements (what :meth:`stored_off` and :meth:`word_rewrite` read)."""
+    def stored_off(cls, values: Tensor, saved: SavedSelection | Sequence[SavedSelection]) -> tuple[Tensor, Expected]:
+        """``(off, expected)`` for a stored tensor (a checkpoint's, an export's): which elements of
+        ``values`` (flat) break the saved selection, and what element ``i`` of them must hold (a
+        number, or words: :attr:`stored_example`). ``values`` holds the stored elements of one
+        selection (in the selection's order), or the whole stored tensor for several selections of
+        one parameter, merged as the engine merges them (an explicit value beats a captured one).
+        It is :meth:`off` of the kernel merged from the saved form, :meth:`from_saved`.
+
+        Raises:
+            Unreadable: the stored tensor cannot be checked for this kind (a word of another width).
+            IndexError: selections outside the stored tensor (an index past its end, a whole-tensor
+                payload of another size).
+        """
         flat = values.detach().reshape(-1)
+        kernel = cls.from_saved(saved, flat)
+        _, off, expected = kernel.off(flat)
+        if cls.stored_example != "{expected}":
+            words = expected
+
+            def expected(i: int) -> float | str:
+                said = words(i)
+                return cls.stored_example.format(expected=said) if isinstance(said, str) else said
+
+        index = kernel.target.index
+        if index is None:
+            return off, expected
+        index = index.long()
+        every = torch.zeros(flat.numel(), dtype=torch.bool, device=off.device)
+        every[index] = off
+        by_position = expected
+        return every, lambda i: by_position(int(torch.searchsorted(index, i)))
+
+    @classmethod
+    def from_saved(cls, saved: SavedSelection | Sequence[SavedSelection], values: Tensor) -> Kind:
+        """The kernel of a saved selection on its stored elements ``values`` (flat, in the
+        selection's order), or of several saved selections of one parameter on the whole stored
+        tensor ``values`` (read flat; the kernel's ``target.index`` says where its elements are):
+        merged as the engine merges them, on a stand-in parameter of those elements in their
+        stored dtype (what :meth:`stored_off` reads).
+
+        Raises:
+            Unreadable: a selection that holds no target (a ``value=None`` pin never activated).
+            IndexError: selections outside ``values`` (several selections only).
+        """
+        flat = values.detach().reshape(-1)
+        one = isinstance(saved, SavedSelection)
+        selections = [saved] if one else list(saved)
         stand_in = torch.nn.Parameter(torch.empty_like(flat), requires_grad=False)
-        payload = {
-            field: tensor if field in cls.selection_fields else tensor.reshape(-1)
-            for field, tensor in saved.payload.items()
-        }
-        target = None if saved.target is None else saved.target.reshape(-1)
-        # What merge reads of a selection (a Selection of the plan, which the kinds do not import).
-        selection = types.SimpleNamespace(name="stored", parameter=stand_in, index=None, values=target, how="saved",
-                                          kind=cls.kind, payload=payload, context={})
-        kernel = cls.merge("stored", stand_in, [selection], [None])
+        entries, captured = [], []
+        for selection in selections:
+            payload = {
+                field: tensor if field in cls.selection_fields else tensor.reshape(-1)
+                for field, tensor in selection.payload.items()
+            }
+            target = None if selection.target is None else selection.target.reshape(-1)
+            index = None if one else selection.index
+            if not one:
+                _check_fits_stored(selection, target, payload, cls.selection_fields, flat.numel())
+            # What merge reads of a selection (a Selection of the plan, which the kinds do not import).
+            entries.append(_Stored(stand_in, index, target if selection.explicit else None, cls.kind, payload))
+            captured.append(None if selection.explicit else target)
+        kernel = cls.merge("stored", stand_in, entries, captured)
         if kernel is None:
             raise Unreadable(cls.words, "a target")
         return kernel
@@ -342,7 +383,8 @@ class Kind:
     @classmethod
     def stored_bind(cls, saved: SavedSelection, tensors: Mapping[str, Tensor]) -> SavedSelection:
         """``saved`` with its :attr:`named_fields` read from the stored artifact's other tensors (by
-        name), before :meth:`stored_off` (a quantized code's learned scale is stored beside its weight)."""
+        name), before :meth:`stored_off` (a quantized code's learned scale is stored beside its weight;
+        unbound, :meth:`off` raises :class:`Unreadable`)."""
         payload = dict(saved.payload)
         for field, name_field in cls.named_fields.items():
             name = bytes(payload[name_field].tolist()).decode()
@@ -474,7 +516,7 @@ class Kind:
 
     def __init__(self, target: Target) -> None:
         self.target = target
-        self._split: dict[tuple[int, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
+        self._split: dict[tuple[int, torch.device, torch.dtype], tuple[Tensor, Tensor, Tensor]] = {}
         self._scratch: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
     @property
@@ -488,32 +530,41 @@ class Kind:
         index = self.target.index
         return self.target.parameter.numel() if index is None else index.numel()
 
-    def apply(self, tensor: Tensor) -> None:
-        """Project ``tensor`` (the parameter's data, or a copy of the weights) in place."""
+    def kernel(self, tensor: Tensor) -> Callable[[], None]:
+        """The projection of ``tensor`` (the parameter's data, or a copy of the weights) in place, as
+        one call with every constant bound (positions, payload halves in ``tensor``'s dtype, scratch).
+        Built when the active pins change (it may sync) and run after every optimizer step while they
+        stay the same; whoever keeps it builds it again once ``tensor``'s storage moves (a ``.data``
+        swap). Its tensor ops are the kind's restore: nothing else is called per step."""
         raise NotImplementedError
 
-    def kernel(self) -> Optional[Callable[[], None]]:
-        """:meth:`apply` on the parameter's own data as one call with every constant bound: what a
-        step plan runs after each optimizer step while the active pins stay the same. Built when
-        they change (it may sync); None (the default) runs :meth:`apply` instead."""
-        return None
+    def apply(self, tensor: Tensor) -> None:
+        """Project ``tensor`` in place once: :meth:`kernel` built and run."""
+        self.kernel(tensor)()
 
-    def _dense(self) -> Optional[tuple[torch.nn.Parameter, int, Tensor, Optional[Tensor]]]:
-        """``(parameter, data_ptr, view, positions)`` for a kernel on a dense parameter: ``view`` is
-        its data (flat for element pins, positions int64), or None where only :meth:`apply` can
-        work (sharded, permuted, or too many elements to keep a second index)."""
-        parameter = self.target.parameter
-        data = parameter.data
-        if is_sharded(data):
-            return None
-        if self.target.index is None:
-            return parameter, parameter.data_ptr(), data, None
-        if not data.is_contiguous():
-            return None
-        wide = wide_index(self.target.index.to(data.device))
-        if wide is None:
-            return None
-        return parameter, parameter.data_ptr(), data.view(-1), wide
+    def _gather(
+        self, tensor: Tensor, words: Optional[torch.dtype] = None
+    ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Callable[..., Any]]]:
+        """``(view, payload, index, scratch, put)`` for a :meth:`kernel` on ``tensor``: :meth:`Target.part`
+        (``view`` read as ``words``, an integer dtype of the same width, if given) and, for element pins,
+        what gathers them into ``scratch`` and writes them back: ``torch.index_select(view, 0, index,
+        out=scratch)`` then ``put(0, index, scratch)`` (``view.index_copy_``: no Python frame). For a
+        whole tensor ``index``, ``scratch`` and ``put`` are None. The scratch is kept per dtype and
+        device, so a kernel built again (``apply``) allocates nothing in steady state."""
+        view, positions, payload = self.target.part(tensor)
+        if words is not None:
+            view = view.view(words)  # the same bytes: no copy, no rounding
+        if positions is None:
+            return view, payload, None, None, None
+        positions = positions.to(view.device)
+        key = (view.dtype, view.device)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.numel() != positions.numel():
+            scratch = self._scratch[key] = torch.empty(positions.numel(), dtype=view.dtype, device=view.device)
+        wide = wide_index(positions)
+        if wide is None:  # too many elements to keep a second index: widened a chunk at a time
+            return view, payload, positions, scratch, functools.partial(_put_chunked, view)
+        return view, payload, wide, scratch, view.index_copy_
 
     def drift(self, tensor: Tensor) -> Tensor:
         """``|x - P(x)|`` of the elements, flat, in float32 or wider (0 where they hold)."""
@@ -540,36 +591,48 @@ class Kind:
         actual = view.reshape(-1) if positions is None else view.index_select(0, positions)
         return view, positions, payload, actual
 
-    def _update_at(self, flat: Tensor, positions: Tensor, update: Callable[[Tensor], object]) -> None:
-        """``flat[positions] = update(flat[positions])`` with ``update`` working in place on a
-        gathered copy: three kernels and, in steady state, no allocation and no index conversion
-        (the gathered elements live in a scratch buffer kept per dtype and device)."""
-        positions = positions.to(flat.device)
-        wide = wide_index(positions)
-        if wide is None:  # too many elements to keep a second index: the general path
-            gathered = flat.index_select(0, positions)
-            update(gathered)
-            copy_at(flat, positions, gathered)
-            return
-        key = (flat.dtype, flat.device)
-        scratch = self._scratch.get(key)
-        if scratch is None or scratch.numel() != wide.numel():
-            scratch = self._scratch[key] = torch.empty(wide.numel(), dtype=flat.dtype, device=flat.device)
-        torch.index_select(flat, 0, wide, out=scratch)
-        update(scratch)
-        flat.index_copy_(0, wide, scratch)
-
     def _halves(self, payload: Tensor, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The two halves of a paired payload (last dimension 2), contiguous, on ``device``.
 
         Split once per payload (a shard has its own) and device, then reused at every step.
         """
-        key = (id(payload), device)
+        key = (id(payload), device, dtype)
         cached = self._split.get(key)
         if cached is None or cached[0] is not payload:
             first, second = (payload[..., i].contiguous().to(device=device, dtype=dtype) for i in (0, 1))
             cached = self._split[key] = (payload, first, second)
         return cached[1], cached[2]
+
+
+class _Stored:
+    """A saved selection as :meth:`Kind.merge` reads a selection (see :meth:`Kind.from_saved`)."""
+
+    name, how = "stored", "saved"
+
+    def __init__(self, parameter: torch.nn.Parameter, index: Optional[Tensor], values: Optional[Tensor], kind: str,
+                 payload: dict[str, Tensor]) -> None:
+        self.parameter, self.index, self.values, self.kind, self.payload = parameter, index, values, kind, payload
+        self.context: dict[str, Any] = {}
+
+
+def _check_fits_stored(
+    selection: SavedSelection, target: Optional[Tensor], payload: Mapping[str, Tensor], per_selection: Sequence[str],
+    numel: int,
+) -> None:
+    """Refuse, with an IndexError, a saved selection that does not lie inside a stored tensor of ``numel`` elements."""
+    index = selection.index
+    if index is None:
+        count = target.numel() if target is not None else next(
+            (t.numel() for f, t in payload.items() if f not in per_selection), numel)
+        if count != numel:
+            raise IndexError(f"{count} targets for {numel} elements")
+    elif index.numel() and int(index.max()) >= numel:
+        raise IndexError(f"index {int(index.max())} for {numel} elements")
+
+
+def _put_chunked(flat: Tensor, dim: int, positions: Tensor, values: Tensor) -> None:
+    """``put`` of :meth:`Kind._gather` for int32 positions too many to widen at once (see ``copy_at``)."""
+    copy_at(flat, positions, values)
 
 
 def _target_differs(selection: Selection, saved: SavedSelection, name: str) -> list[str]:

@@ -22,7 +22,7 @@ from lightning_pin.core.kinds._common import coords as _coords
 from lightning_pin.core.kinds._common import first as _first
 from lightning_pin.core.kinds._common import merge_paired, per_element, shared_positions, sort_with_index
 from lightning_pin.core.kinds.base import Expected, Kind, Reader
-from lightning_pin.core.selection import SavedSelection, Selection
+from lightning_pin.core.selection import Selection
 from lightning_pin.core.sharding import Target
 from lightning_pin.core.spec import Pin, _is_bool, number_leaves
 
@@ -48,6 +48,8 @@ class Interval(Kind):
     pin_fields = ("bounds",)
     payload_fields = ("low", "high")
     dtype_field = "low"
+    example = "{coords}: {actual!r} (in {expected})"
+    stored_example = "bounds {expected}"
     fixes_words = False  # the element trains inside its interval: a forced fault writes no word
     mixed_reason = "clamping can undo a stuck bit; "
 
@@ -112,7 +114,7 @@ class Interval(Kind):
         captured: Sequence[Optional[Tensor]] = (),
     ) -> Interval:
         """Bounds of several pins on one element intersect (the plan has refused empty ones)."""
-        dtype = parameter.dtype
+        dtype = entries[0].payload["low"].dtype  # the parameter's (bounds are resolved in it)
         extremes = (-torch.inf, torch.inf) if dtype.is_floating_point else (torch.iinfo(dtype).min,
                                                                             torch.iinfo(dtype).max)
         starts = tuple(torch.tensor(x, dtype=dtype) for x in extremes)
@@ -136,17 +138,6 @@ class Interval(Kind):
             raise corrupt(f"{at}: bounds hold NaN")
         if bool((low > high).any()):
             raise corrupt(f"{at}: bounds with low > high")
-
-    # ------------------------------------------------------------------------------------
-    # Stored tensors
-
-    @classmethod
-    def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
-        """Elements outside ``[low, high]`` (NaN is outside), compared by value in float64."""
-        low, high = (saved.payload[f].reshape(-1) for f in cls.payload_fields)
-        wide = values.to(torch.float64)
-        off = ~((wide >= low.to(torch.float64)) & (wide <= high.to(torch.float64)))
-        return off, lambda i: f"bounds [{low[i].item()!r}, {high[i].item()!r}]"
 
     # ------------------------------------------------------------------------------------
     # Fault-map files: float64 bounds, -inf / +inf for no bound
@@ -186,38 +177,20 @@ class Interval(Kind):
         actual = view.reshape(-1) if positions is None else view.index_select(0, positions.to(view.device))
         return actual, low.reshape(-1), high.reshape(-1)
 
-    def apply(self, tensor: Tensor) -> None:
-        view, positions, low, high = self._parts(tensor)
-        if positions is None:
-            view.clamp_(min=low, max=high)
-        else:
-            self._update_at(view, positions, lambda values: values.clamp_(min=low, max=high))
-
-    def kernel(self) -> Optional[Callable[[], None]]:
-        dense = self._dense()
-        if dense is None:
-            return None
-        parameter, ptr, view, wide = dense
-        low, high = self._halves(self.target.values, view.device, view.dtype)
-        apply = self.apply
-        if wide is None:
+    def kernel(self, tensor: Tensor) -> Callable[[], None]:
+        view, payload, index, scratch, put = self._gather(tensor)
+        low, high = self._halves(payload, view.device, view.dtype)
+        if index is None:
 
             def clamp_whole() -> None:
-                if parameter.data_ptr() != ptr:
-                    apply(parameter.data)
-                else:
-                    view.clamp_(min=low, max=high)
+                view.clamp_(min=low, max=high)
 
             return clamp_whole
-        scratch = torch.empty(wide.numel(), dtype=view.dtype, device=view.device)
 
         def clamp() -> None:
-            if parameter.data_ptr() != ptr:
-                apply(parameter.data)
-                return
-            torch.index_select(view, 0, wide, out=scratch)
+            torch.index_select(view, 0, index, out=scratch)
             scratch.clamp_(min=low, max=high)
-            view.index_copy_(0, wide, scratch)
+            put(0, index, scratch)
 
         return clamp
 
@@ -227,9 +200,17 @@ class Interval(Kind):
         return ((low.double() - wide).clamp_min(0) + (wide - high.double()).clamp_min(0)).float()
 
     def off(self, tensor: Tensor) -> tuple[Tensor, Tensor, Expected]:
-        actual, low, high = self._flat(tensor)
-        off = ~((actual >= low) & (actual <= high))  # NaN is off
-        return actual, off, lambda position: f"in [{low[position].item()!r}, {high[position].item()!r}]"
+        """Elements outside ``[low, high]`` (NaN is outside); in a tensor of another dtype than the
+        bounds (a copy, a stored tensor) compared by value in float64 with the bounds as they are."""
+        view, positions, payload = self.target.part(tensor)
+        actual = view.reshape(-1) if positions is None else view.index_select(0, positions.to(view.device))
+        low, high = (half.reshape(-1) for half in self._halves(payload, view.device, payload.dtype))
+        if actual.dtype == low.dtype:
+            off = ~((actual >= low) & (actual <= high))
+        else:
+            wide = actual.to(torch.float64)
+            off = ~((wide >= low.to(torch.float64)) & (wide <= high.to(torch.float64)))
+        return actual, off, lambda position: f"[{low[position].item()!r}, {high[position].item()!r}]"
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from lightning_pin.core.kinds._common import first as _first
 from lightning_pin.core.kinds._common import is_int as _is_int
 from lightning_pin.core.kinds._common import merge_paired, per_element, shared_positions, sort_with_index
 from lightning_pin.core.kinds.base import Expected, Kind, Reader, Unreadable
-from lightning_pin.core.selection import SavedSelection, Selection
+from lightning_pin.core.selection import Selection
 from lightning_pin.core.sharding import Target, is_sharded
 from lightning_pin.core.spec import Pin, number_leaves
 
@@ -403,15 +403,18 @@ class QuantizedCode(Kind):
         zeros = torch.zeros((), dtype=torch.int32)
         index, zero, one = merge_paired(parameter, [e.index for e in entries], pairs, (zeros, zeros),
                                         lambda a, b, side: a | b)
-        # Sync-free (it runs when a `when` pin toggles): the code from the context, not the payload.
+        # Sync-free (it runs when a `when` pin toggles): the code from the context, not the payload
+        # (a saved form, read by check / diff, has no context: the code from its payload).
         first = entries[0]
-        code = first.context["code"]
+        code = first.context.get("code") or code_of(first.payload, parameter)
         if len(entries) == 1:
             channel = first.payload["channel"]
         else:
             flat = torch.arange(parameter.numel()) if index is None else index.cpu().long()
             channel = channels(tuple(parameter.shape), code.axis, flat).to(parameter.device)
-        scale = first.context["scale"] if code.named else first.payload["scale"]
+        # A learned scale: the module's tensor (context), or the artifact's that stored_bind read
+        # beside a stored one (empty if none: off refuses to read the code then).
+        scale = first.context.get("scale", first.payload["scale"])
         return cls(Target(name, parameter, index, torch.stack([zero.reshape(-1), one.reshape(-1)], dim=-1)),
                    code, channel, scale)
 
@@ -432,36 +435,6 @@ class QuantizedCode(Kind):
             raise corrupt(f"{at}: a code holds either fixed scales or the name of a learned one")
         if scale.numel() and not (scale.is_floating_point() and bool((torch.isfinite(scale) & (scale > 0)).all())):
             raise corrupt(f"{at}: scales must be positive and finite")
-
-    # ------------------------------------------------------------------------------------
-    # Stored tensors
-
-    @classmethod
-    def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
-        payload = saved.payload
-        bits, zero_point, signed, _ = (int(x) for x in payload["spec"])
-        zero, one = payload["stuck_at_zero"].reshape(-1), payload["stuck_at_one"].reshape(-1)
-        if not values.is_floating_point() and not values.is_complex() and values.dtype != torch.bool:
-            # A deployed artifact's stored integer codes (int8 / uint8 / int4 ONNX initializers, torchao qdata):
-            # the stuck bits are read in the codes themselves, no scale needed.
-            codes = values.reshape(-1).to(torch.int32)
-            held = stick(codes, zero, one, bits, bool(signed))
-            return held != codes, lambda i: _describe_stored(codes, zero, one, held, bits, i)
-        if payload["scale"].numel() == 0:
-            name = bytes(payload["scale_name"].tolist()).decode()
-            raise Unreadable("stuck code bits", f"a code whose scale {name!r} is stored beside it")
-        if not values.is_floating_point():
-            raise Unreadable("stuck code bits", "a float weight")
-        cdt = compute_dtype(values.dtype)
-        scale = payload["scale"].to(cdt).reshape(-1)
-        channel = payload["channel"].reshape(-1).long()
-        s = scale[channel] if scale.numel() > 1 else scale.expand(channel.numel())
-        qmin, qmax = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
-        flat = values.reshape(-1)
-        codes = codes_of(flat.to(cdt), s, zero_point, qmin, qmax)
-        held = dequantize(stick(codes, zero, one, bits, bool(signed)), s, zero_point, values.dtype)
-        off = held != flat
-        return off, lambda i: _describe_code(codes, zero, one, held, bits, i)
 
     # ------------------------------------------------------------------------------------
     # Fault-map files: the code-bit masks as int64 patterns (0: no stuck bit) and the code
@@ -546,46 +519,42 @@ class QuantizedCode(Kind):
         code = self.code
         return dequantize(stick(codes, zero, one, code.bits, code.signed), s, code.zero_point, flat.dtype)
 
-    def apply(self, tensor: Tensor) -> None:
-        view, positions, _ = self.target.part(tensor)
-        if positions is None:
-            flat = view.reshape(-1)
-            flat.copy_(self._held(flat, flat.device))
-        else:
-            self._update_at(view, positions, lambda gathered: gathered.copy_(self._held(gathered, gathered.device)))
-
-    def kernel(self) -> Optional[Callable[[], None]]:
-        # The constants of _held (scales per element, code-bit masks) bound once: the restore is
-        # then the arithmetic alone. A learned scale (code.named) is read at every restore: apply.
-        dense = self._dense()
-        if dense is None or self.code.named:
-            return None
-        parameter, ptr, view, wide = dense
-        if wide is None and not view.is_contiguous():
-            return None
-        flat = view.reshape(-1)
-        device, dtype, compute = flat.device, flat.dtype, self._compute
-        s = self._scales(device)
-        zero, one = self._halves(self.target.values, device, torch.int32)
+    def kernel(self, tensor: Tensor) -> Callable[[], None]:
+        # The constants of _held (scales per element, code-bit masks) bound once: the restore is then
+        # the arithmetic alone. A learned scale (code.named) is read at every restore, in the call.
+        view, _, index, scratch, put = self._gather(tensor)
+        # A whole tensor is worked on flat, in row-major order (the order of its channels): in place
+        # where it is contiguous, else in a contiguous copy read and written back at every call.
+        strided = index is None and not view.is_contiguous()
+        if index is None:
+            scratch = torch.empty(view.shape, dtype=view.dtype, device=view.device) if strided else view
+            scratch = scratch.view(-1)
+        device, dtype, compute = view.device, view.dtype, self._compute
         code = self.code
+        zero, one = self._halves(self.target.values, device, torch.int32)
         zero_point, qmin, qmax, bits, signed = code.zero_point, code.qmin, code.qmax, code.bits, code.signed
         keep = ((1 << bits) - 1) & ~zero  # stick()'s (q & full) & ~zero in one mask
-        apply = self.apply
-        scratch = flat if wide is None else torch.empty(wide.numel(), dtype=dtype, device=device)
+        fixed = None if code.named else self._scales(device)
+        learned, channel = self.scale, self.channel.to(device)
 
         def restore() -> None:
-            if parameter.data_ptr() != ptr:
-                apply(parameter.data)
-                return
-            if wide is not None:
-                torch.index_select(flat, 0, wide, out=scratch)
+            if index is not None:
+                torch.index_select(view, 0, index, out=scratch)
+            elif strided:
+                scratch.view(view.shape).copy_(view)
+            s = fixed
+            if s is None:  # a learned scale: what the module holds now (_scales)
+                s = learned.detach().reshape(-1).to(device=device, dtype=compute)
+                s = s.expand(channel.numel()) if s.numel() == 1 else s.index_select(0, channel)
             codes = torch.clamp(torch.round(scratch.to(compute) / s) + zero_point, qmin, qmax).to(torch.int32)
             pattern = (codes & keep) | one
             if signed:
                 pattern = pattern - ((pattern >> (bits - 1)) & 1) * (1 << bits)
             scratch.copy_(((pattern - zero_point).to(compute) * s).to(dtype))
-            if wide is not None:
-                flat.index_copy_(0, wide, scratch)
+            if index is not None:
+                put(0, index, scratch)
+            elif strided:
+                view.copy_(scratch.view(view.shape))
 
         return restore
 
@@ -595,9 +564,26 @@ class QuantizedCode(Kind):
         return deviation.float()
 
     def off(self, tensor: Tensor) -> tuple[Tensor, Tensor, Expected]:
+        """Elements that are not their dequantized faulty codes; in a tensor of integers (a deployed
+        artifact's stored codes: int8 / uint8 / int4 ONNX initializers, torchao's qdata) the stuck
+        bits are read in the codes themselves, no scale needed.
+
+        Raises:
+            Unreadable: a float ``tensor`` whose learned scale was not read beside it (see
+                :meth:`stored_bind`), or a tensor of neither floats nor integers.
+        """
         _, _, _, actual = self._elements(tensor)
-        codes, s, zero, one = self._codes(actual, actual.device)
         code = self.code
+        if not actual.is_floating_point() and not actual.is_complex() and actual.dtype != torch.bool:
+            codes = actual.to(torch.int32)
+            zero, one = (half.reshape(-1) for half in self._halves(self.target.values, codes.device, torch.int32))
+            held = stick(codes, zero, one, code.bits, code.signed)
+            return actual, held != codes, lambda i: _describe_stored(codes, zero, one, held, code.bits, i)
+        if self.scale.numel() == 0:
+            raise Unreadable("stuck code bits", f"a code whose scale {code.scale!r} is stored beside it")
+        if not actual.is_floating_point():
+            raise Unreadable("stuck code bits", "a float weight")
+        codes, s, zero, one = self._codes(actual, actual.device)
         held = dequantize(stick(codes, zero, one, code.bits, code.signed), s, code.zero_point, actual.dtype)
         off = held != actual
         return actual, off, lambda i: _describe_code(codes, zero, one, held, code.bits, i)

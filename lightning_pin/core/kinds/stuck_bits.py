@@ -25,7 +25,7 @@ from lightning_pin.core.kinds._common import first as _first
 from lightning_pin.core.kinds._common import is_int as _is_int
 from lightning_pin.core.kinds._common import merge_paired, per_element, shared_positions, sort_with_index
 from lightning_pin.core.kinds.base import Expected, Kind, Reader, Unreadable, show
-from lightning_pin.core.selection import SavedSelection, Selection
+from lightning_pin.core.selection import Selection
 from lightning_pin.core.sharding import Target
 from lightning_pin.core.spec import Pin, number_leaves
 
@@ -170,7 +170,7 @@ class StuckBits(Kind):
         captured: Sequence[Optional[Tensor]] = (),
     ) -> StuckBits:
         """Stuck bits of several pins on one element combine: their masks are OR-ed."""
-        dtype = BITS_DTYPES[parameter.dtype]
+        dtype = entries[0].payload["stuck_at_zero"].dtype  # BITS_DTYPES[parameter.dtype], as resolved
         pairs = [(e.payload["stuck_at_zero"], e.payload["stuck_at_one"]) for e in entries]
         starts = (torch.zeros((), dtype=dtype), torch.zeros((), dtype=dtype))
         index, zero, one = merge_paired(parameter, [e.index for e in entries], pairs, starts, lambda a, b, side: a | b)
@@ -189,19 +189,6 @@ class StuckBits(Kind):
             raise corrupt(f"{at}: 'stuck_at_zero' and 'stuck_at_one' differ in dtype or shape")
         if bool((zero & one).any()):
             raise corrupt(f"{at}: a bit is stuck at zero and at one")
-
-    # ------------------------------------------------------------------------------------
-    # Stored tensors
-
-    @classmethod
-    def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
-        zero, one = (saved.payload[f].reshape(-1) for f in cls.payload_fields)
-        width = 8 * zero.element_size()
-        if not values.is_floating_point() or values.element_size() != zero.element_size():
-            raise Unreadable("stuck bits", f"a {width}-bit word")
-        words = values.contiguous().view(zero.dtype)
-        off = ((words & zero) | (~words & one.to(zero.dtype))) != 0
-        return off, lambda i: describe_stuck(int(words[i]), int(zero[i]), int(one[i]), width)
 
     # ------------------------------------------------------------------------------------
     # Fault-map files: masks as int64 bit patterns, 0 for no stuck bit
@@ -225,40 +212,20 @@ class StuckBits(Kind):
         actual = ints.reshape(-1) if positions is None else ints.index_select(0, positions.to(ints.device))
         return actual, keep.reshape(-1), set_.reshape(-1)
 
-    def apply(self, tensor: Tensor) -> None:
-        ints, positions, keep, set_ = self._bits(tensor)
-        if positions is None:
-            ints.bitwise_and_(keep).bitwise_or_(set_)
-        else:
-            self._update_at(ints, positions, lambda bits: bits.bitwise_and_(keep).bitwise_or_(set_))
-
-    def kernel(self) -> Optional[Callable[[], None]]:
-        dense = self._dense()
-        if dense is None:
-            return None
-        parameter, ptr, view, wide = dense
-        payload = self.target.values
-        ints = view.view(payload.dtype)
+    def kernel(self, tensor: Tensor) -> Callable[[], None]:
+        ints, payload, index, scratch, put = self._gather(tensor, self.target.values.dtype)
         keep, set_ = self._halves(payload, ints.device, payload.dtype)
-        apply = self.apply
-        if wide is None:
+        if index is None:
 
             def stick_whole() -> None:
-                if parameter.data_ptr() != ptr:
-                    apply(parameter.data)
-                else:
-                    ints.bitwise_and_(keep).bitwise_or_(set_)
+                ints.bitwise_and_(keep).bitwise_or_(set_)
 
             return stick_whole
-        scratch = torch.empty(wide.numel(), dtype=ints.dtype, device=ints.device)
 
         def stick() -> None:
-            if parameter.data_ptr() != ptr:
-                apply(parameter.data)
-                return
-            torch.index_select(ints, 0, wide, out=scratch)
+            torch.index_select(ints, 0, index, out=scratch)
             scratch.bitwise_and_(keep).bitwise_or_(set_)
-            ints.index_copy_(0, wide, scratch)
+            put(0, index, scratch)
 
         return stick
 
@@ -271,6 +238,15 @@ class StuckBits(Kind):
         return torch.where(deviation.isnan() & (before.isinf() | after.isinf()), torch.inf, deviation).float()
 
     def off(self, tensor: Tensor) -> tuple[Tensor, Tensor, Expected]:
+        """Elements whose stored word breaks a stuck bit.
+
+        Raises:
+            Unreadable: ``tensor`` does not store words of the masks' width (a stored tensor in
+                another dtype: ``verify`` refuses such a copy first, see :attr:`copy_words`).
+        """
+        masks = self.target.values
+        if not tensor.is_floating_point() or tensor.element_size() != masks.element_size():
+            raise Unreadable("stuck bits", f"a {8 * masks.element_size()}-bit word")
         actual, keep, set_ = self._flat(tensor)
         off = ((actual & ~keep) | (~actual & set_)) != 0
         return actual.view(tensor.dtype), off, lambda position: _describe_bits(actual, keep, set_, position)

@@ -25,8 +25,8 @@ from lightning_pin.core.kinds._common import is_int as _is_int
 from lightning_pin.core.kinds._common import sort_with_index
 from lightning_pin.core.kinds.base import Expected, Kind, Reader
 from lightning_pin.core.layouts import _Layout
-from lightning_pin.core.selection import SavedSelection, Selection
-from lightning_pin.core.sharding import Target, copy_at
+from lightning_pin.core.selection import Selection
+from lightning_pin.core.sharding import Target, copy_at, is_sharded
 from lightning_pin.core.spec import Pin, check_value, number_leaves
 
 __all__ = ["ExactValue", "differs"]
@@ -128,11 +128,6 @@ class ExactValue(Kind):
         return cls(Target(name, parameter, index, values, _by_strides=layout.by_strides))
 
     @classmethod
-    def stored_off(cls, values: Tensor, saved: SavedSelection) -> tuple[Tensor, Expected]:
-        target = saved.target.reshape(-1)
-        return differs(values, target), lambda i: target[i].item()
-
-    @classmethod
     def map_entries(cls, pin: Pin, selection: Optional[Selection]) -> dict[str, Any]:
         if selection is None:
             if pin.value is None:
@@ -147,32 +142,27 @@ class ExactValue(Kind):
             values = flat if selection.index is None else flat[selection.index.to(parameter.device).long()]
         return {"value": values.detach().cpu().reshape(-1)}
 
-    def apply(self, tensor: Tensor) -> None:
-        view, positions, values = self.target.part(tensor)
+    def kernel(self, tensor: Tensor) -> Callable[[], None]:
+        target = self.target
+        if target.index is not None and _is_data_of(tensor, target.parameter):
+            fast = target.kernel()  # put_ / index_copy_ of the targets, shared with the engine's writes
+            if fast is not None:
+                return fast
+        view, positions, values = target.part(tensor)
         if values.device != view.device or values.dtype != view.dtype:
             values = values.to(device=view.device, dtype=view.dtype)  # a copy elsewhere (an averaged model)
         if positions is None:
-            view.copy_(values)
-        else:
-            copy_at(view, positions.to(view.device), values)
 
-    def kernel(self) -> Optional[Callable[[], None]]:
-        target = self.target
-        if target.index is not None:
-            return target.kernel()  # put_ / index_copy_ of the targets, constants bound
-        dense = self._dense()
-        if dense is None:
-            return None
-        parameter, ptr, view, _ = dense
-        values, apply = target.values, self.apply
-
-        def write_whole() -> None:
-            if parameter.data_ptr() != ptr:
-                apply(parameter.data)
-            else:
+            def write_whole() -> None:
                 view.copy_(values)
 
-        return write_whole
+            return write_whole
+        positions = positions.to(view.device)
+
+        def write() -> None:
+            copy_at(view, positions, values)
+
+        return write
 
     def drift(self, tensor: Tensor) -> Tensor:
         _, _, values, actual = self._elements(tensor)
@@ -180,9 +170,20 @@ class ExactValue(Kind):
         return deviation if deviation.dtype in (torch.float32, torch.float64) else deviation.float()
 
     def off(self, tensor: Tensor) -> tuple[Tensor, Tensor, Expected]:
+        """Bit for bit (:func:`differs`: NaN equals NaN, -0.0 differs from 0.0); a tensor of another
+        dtype (a copy, a stored tensor) by value in float64."""
         _, _, values, actual = self._elements(tensor)
         expected = values.reshape(-1).to(actual.device)
-        return actual, actual != expected, lambda position: expected[position].item()
+        return actual, differs(actual, expected), lambda position: expected[position].item()
+
+
+def _is_data_of(tensor: Tensor, parameter: torch.nn.Parameter) -> bool:
+    """Whether ``tensor`` is ``parameter``'s own dense data (the same elements of the same storage)."""
+    return (
+        not is_sharded(tensor) and not is_sharded(parameter) and tensor.dtype == parameter.dtype
+        and tensor.shape == parameter.shape and tensor.stride() == parameter.stride()
+        and tensor.data_ptr() == parameter.data_ptr()
+    )
 
 
 # Merge layouts of value targets, kept with the first selection of the merge (so as long as the plan
