@@ -19,9 +19,8 @@ from torch import Tensor, nn
 
 from lightning_pin import PinError
 from lightning_pin.core.kinds import (
-    Expected, Kind, Target, merge_paired, per_element, pin_field, shared_positions, sort_with_index,
+    Expected, Kind, Target, coords, first, merge_paired, per_element, pin_field, shared_positions, sort_with_index,
 )
-from lightning_pin.core.kinds._common import coords, first
 
 __all__ = ["Grid"]
 
@@ -82,7 +81,7 @@ class Grid(Kind):
         return cls(Target(name, parameter, index, step))
 
     def kernel(self, tensor: Tensor) -> Callable[[], None]:
-        view, step, index, scratch, put = self._gather(tensor)
+        view, step, index, scratch, put = self.gather(tensor)
         step = step.reshape(view.shape if index is None else (-1,)).to(device=view.device, dtype=view.dtype)
         if index is None:
 
@@ -99,11 +98,11 @@ class Grid(Kind):
         return round_elements
 
     def drift(self, tensor: Tensor) -> Tensor:
-        _, _, step, actual = self._elements(tensor)
+        _, _, step, actual = self.elements_of(tensor)
         step = step.reshape(-1).to(actual.device)
         return (actual - torch.round(actual / step) * step).abs().float()
 
     def off(self, tensor: Tensor) -> tuple[Tensor, Tensor, Expected]:
-        _, _, step, actual = self._elements(tensor)
+        _, _, step, actual = self.elements_of(tensor)
         step = step.reshape(-1).to(device=actual.device, dtype=actual.dtype)
         return actual, actual != torch.round(actual / step) * step, lambda i: f"a multiple of {step[i].item()!r}"

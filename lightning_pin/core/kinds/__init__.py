@@ -37,7 +37,9 @@ from lightning_pin.core import registry
 from lightning_pin.core.errors import PinError
 # What a kind defined outside the library builds on (see docs/how-to/new-kind.md): the base class,
 # the per-element helpers the library's kinds use, and the target a kernel writes.
-from lightning_pin.core.kinds._common import merge_paired, per_element, shared_positions, sort_with_index
+from lightning_pin.core.kinds._common import (
+    coords, first, merge_paired, per_element, shared_positions, sort_with_index,
+)
 from lightning_pin.core.kinds.base import Expected, Kind, Unreadable, pin_field
 from lightning_pin.core.kinds.interval import Interval
 from lightning_pin.core.kinds.neuron import NeuronKind
@@ -160,5 +162,6 @@ __all__ = [
     "NeuronKind", "QuantCode", "QuantizedCode", "StuckBits", "Unreadable",
     "check_conflict", "check_spec", "for_pin", "of", "output_kind", "payload_field", "register", "split",
     # for kinds defined outside the library
-    "Expected", "Target", "merge_paired", "per_element", "pin_field", "shared_positions", "sort_with_index",
+    "Expected", "Target", "coords", "first", "merge_paired", "per_element", "pin_field", "shared_positions",
+    "sort_with_index",
 ]

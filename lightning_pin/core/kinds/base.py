@@ -542,7 +542,7 @@ class Kind:
         """Project ``tensor`` in place once: :meth:`kernel` built and run."""
         self.kernel(tensor)()
 
-    def _gather(
+    def gather(
         self, tensor: Tensor, words: Optional[torch.dtype] = None
     ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Callable[..., Any]]]:
         """``(view, payload, index, scratch, put)`` for a :meth:`kernel` on ``tensor``: :meth:`Target.part`
@@ -585,7 +585,7 @@ class Kind:
                     "the parameter's dtype")
         return None
 
-    def _elements(self, tensor: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+    def elements_of(self, tensor: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
         """``(view, positions, payload, actual)``: :meth:`Target.part` plus the elements, flat."""
         view, positions, payload = self.target.part(tensor)
         actual = view.reshape(-1) if positions is None else view.index_select(0, positions)
@@ -631,7 +631,7 @@ def _check_fits_stored(
 
 
 def _put_chunked(flat: Tensor, dim: int, positions: Tensor, values: Tensor) -> None:
-    """``put`` of :meth:`Kind._gather` for int32 positions too many to widen at once (see ``copy_at``)."""
+    """``put`` of :meth:`Kind.gather` for int32 positions too many to widen at once (see ``copy_at``)."""
     copy_at(flat, positions, values)
 
 

@@ -178,7 +178,7 @@ class Interval(Kind):
         return actual, low.reshape(-1), high.reshape(-1)
 
     def kernel(self, tensor: Tensor) -> Callable[[], None]:
-        view, payload, index, scratch, put = self._gather(tensor)
+        view, payload, index, scratch, put = self.gather(tensor)
         low, high = self._halves(payload, view.device, view.dtype)
         if index is None:
 

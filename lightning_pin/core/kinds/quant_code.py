@@ -522,7 +522,7 @@ class QuantizedCode(Kind):
     def kernel(self, tensor: Tensor) -> Callable[[], None]:
         # The constants of _held (scales per element, code-bit masks) bound once: the restore is then
         # the arithmetic alone. A learned scale (code.named) is read at every restore, in the call.
-        view, _, index, scratch, put = self._gather(tensor)
+        view, _, index, scratch, put = self.gather(tensor)
         # A whole tensor is worked on flat, in row-major order (the order of its channels): in place
         # where it is contiguous, else in a contiguous copy read and written back at every call.
         strided = index is None and not view.is_contiguous()
@@ -559,7 +559,7 @@ class QuantizedCode(Kind):
         return restore
 
     def drift(self, tensor: Tensor) -> Tensor:
-        _, _, _, actual = self._elements(tensor)
+        _, _, _, actual = self.elements_of(tensor)
         deviation = (actual.double() - self._held(actual, actual.device).double()).abs()
         return deviation.float()
 
@@ -572,7 +572,7 @@ class QuantizedCode(Kind):
             Unreadable: a float ``tensor`` whose learned scale was not read beside it (see
                 :meth:`stored_bind`), or a tensor of neither floats nor integers.
         """
-        _, _, _, actual = self._elements(tensor)
+        _, _, _, actual = self.elements_of(tensor)
         code = self.code
         if not actual.is_floating_point() and not actual.is_complex() and actual.dtype != torch.bool:
             codes = actual.to(torch.int32)

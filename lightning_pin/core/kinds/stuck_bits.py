@@ -213,7 +213,7 @@ class StuckBits(Kind):
         return actual, keep.reshape(-1), set_.reshape(-1)
 
     def kernel(self, tensor: Tensor) -> Callable[[], None]:
-        ints, payload, index, scratch, put = self._gather(tensor, self.target.values.dtype)
+        ints, payload, index, scratch, put = self.gather(tensor, self.target.values.dtype)
         keep, set_ = self._halves(payload, ints.device, payload.dtype)
         if index is None:
 

@@ -165,14 +165,14 @@ class ExactValue(Kind):
         return write
 
     def drift(self, tensor: Tensor) -> Tensor:
-        _, _, values, actual = self._elements(tensor)
+        _, _, values, actual = self.elements_of(tensor)
         deviation = (actual - values.reshape(-1).to(actual.device)).abs()
         return deviation if deviation.dtype in (torch.float32, torch.float64) else deviation.float()
 
     def off(self, tensor: Tensor) -> tuple[Tensor, Tensor, Expected]:
         """Bit for bit (:func:`differs`: NaN equals NaN, -0.0 differs from 0.0); a tensor of another
         dtype (a copy, a stored tensor) by value in float64."""
-        _, _, values, actual = self._elements(tensor)
+        _, _, values, actual = self.elements_of(tensor)
         expected = values.reshape(-1).to(actual.device)
         return actual, differs(actual, expected), lambda position: expected[position].item()
 
