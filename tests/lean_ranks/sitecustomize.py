@@ -1,11 +1,11 @@
 """Run at start-up by the interpreters that the multi-process tests start (DDP and FSDP2 ranks, the benchmark's
-ranks and peak-memory processes), never by the test process itself: the ``lean_ranks`` fixture
-(tests/conftest.py) puts this directory on their ``PYTHONPATH`` while they start.
+ranks and peak-memory processes, the joblib launcher's workers), never by the test process itself: the
+``lean_ranks`` fixture (tests/conftest.py) puts this directory on their ``PYTHONPATH`` while they start.
 
 Lightning imports torchmetrics, and torchmetrics imports transformers (for BERTScore) and scipy.signal (for its
-audio metrics) whenever they are installed: about 2 s of CPU in every rank, for metrics no rank uses. Here
-torchmetrics skips those two imports: its own flags for the two packages read False. Nothing else changes: both
-packages stay importable, and lightning_pin's code is the same as in any other process.
+audio metrics) whenever they are installed: about 1.5 s of CPU in every such process, for metrics none of them
+uses. Here torchmetrics skips those two imports: its own flags for the two packages read False. Nothing else
+changes: both packages stay importable, and lightning_pin's code is the same as in any other process.
 """
 
 from __future__ import annotations
