@@ -1,9 +1,14 @@
+import contextlib
 import gc
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+
+# The ranks' start-up file (see LEAN_RANKS below): not a test module, and never imported by the test process.
+collect_ignore = ["lean_ranks"]
 
 # Tiny models on 2-core machines run far faster single-threaded.
 torch.set_num_threads(1)
@@ -20,9 +25,79 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """A module whose tests share a module-scoped fixture (one training run, one docs build, one spawn) runs on
+    one worker under ``--dist loadgroup``, as if marked ``xdist_group(<module>)``: spread over two workers, each
+    would pay the run. Its tests still run next to every other test of the suite."""
+    for item in items:
+        if next(item.iter_markers("xdist_group"), None) is not None:
+            continue
+        module = item.nodeid.split("::")[0]
+        info = getattr(item, "_fixtureinfo", None)
+        shared = (
+            definition.baseid == module and definition.scope in ("module", "class")
+            for definitions in (info.name2fixturedefs.values() if info is not None else ())
+            for definition in definitions
+        )
+        if any(shared):
+            item.add_marker(pytest.mark.xdist_group(module))
+
+
+class _GroupSuffix:
+    """``--dist loadgroup`` sends the tests of one ``xdist_group`` to one worker by the ``@group`` suffix that
+    pytest-xdist's worker appends to their node ids. From pytest 9.2 on a node keeps its id in ``_id`` and xdist
+    (3.8) still writes ``_nodeid``: the suffix is lost, the group's tests spread over the workers, and each worker
+    pays the module-scoped runs again (a second ddp_spawn, FSDP2 run or inductor warm-up). Appended here, after
+    xdist's own hook, where xdist could not."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if not getattr(config.option, "loadgroup", False):
+            return
+        for item in items:
+            marks = item.iter_markers("xdist_group")
+            names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks}
+            suffix = "@" + "_".join(sorted(names))
+            if names and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
+                item._id = type(item._id).parse(item.nodeid + suffix)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_GroupSuffix(), "lightning_pin_group_suffix")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+#: On the PYTHONPATH of a multi-process test's ranks: their torchmetrics skips transformers and scipy.signal
+#: (tests/lean_ranks/sitecustomize.py).
+LEAN_RANKS = Path(__file__).with_name("lean_ranks")
+
+
+@contextlib.contextmanager
+def _lean_ranks():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(LEAN_RANKS), os.environ.get("PYTHONPATH")])))
+        yield
+
+
+@pytest.fixture
+def lean_ranks():
+    """The interpreters the test starts (``ddp_spawn``'s ranks, a launcher's workers) import Lightning without
+    transformers and scipy.signal, which torchmetrics imports for metrics they never use: about 1.5 CPU s less
+    each. The test's own process is unchanged (it started before)."""
+    with _lean_ranks():
+        yield
+
+
+@pytest.fixture(scope="module")
+def lean_ranks_module():
+    """:func:`lean_ranks` for a module-scoped run."""
+    with _lean_ranks():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,8 @@ MODES = ("train", "resume", "mismatch")
 
 
 def run(out_dir: Path, modes: tuple[str, ...]) -> dict[str, list[dict]]:
-    env = dict(os.environ, PYTHONPATH=str(WORKER.parent.parent))
+    # tests/lean_ranks: the ranks' torchmetrics skips transformers and scipy.signal (tests/conftest.py, lean_ranks).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.with_name("lean_ranks")), str(WORKER.parent.parent)]))
     done = subprocess.run(
         [sys.executable, str(WORKER), str(out_dir), ",".join(modes)], env=env, capture_output=True, text=True,
         timeout=300,

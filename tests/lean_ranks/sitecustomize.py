@@ -1,0 +1,59 @@
+"""Run at start-up by the interpreters that the multi-process tests start (DDP and FSDP2 ranks, the benchmark's
+ranks and peak-memory processes, the joblib launcher's workers), never by the test process itself: the
+``lean_ranks`` fixture (tests/conftest.py) puts this directory on their ``PYTHONPATH`` while they start.
+
+Lightning imports torchmetrics, and torchmetrics imports transformers (for BERTScore) and scipy.signal (for its
+audio metrics) whenever they are installed: about 1.5 s of CPU in every such process, for metrics none of them
+uses. Here torchmetrics skips those two imports: its own flags for the two packages read False. Nothing else
+changes: both packages stay importable, and lightning_pin's code is the same as in any other process.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+
+#: torchmetrics' availability flags that gate the imports of transformers and scipy.signal (torchmetrics 1.x).
+_FLAGS = ("_TRANSFORMERS_GREATER_EQUAL_4_4", "_SCIPI_AVAILABLE")
+
+
+def _run_torchmetrics(run):
+    def exec_module(module):
+        # torchmetrics/__init__.py: `if package_available("scipy"): import scipy.signal`
+        import lightning_utilities.core.imports as imports
+
+        real = imports.package_available
+        imports.package_available = lambda name: name != "scipy" and real(name)
+        try:
+            run(module)
+        finally:
+            imports.package_available = real
+
+    return exec_module
+
+
+def _run_flags(run):
+    def exec_module(module):
+        run(module)
+        for flag in _FLAGS:
+            if hasattr(module, flag):
+                setattr(module, flag, False)
+
+    return exec_module
+
+
+class _LeanTorchmetrics(importlib.abc.MetaPathFinder):
+    wraps = {"torchmetrics": _run_torchmetrics, "torchmetrics.utilities.imports": _run_flags}
+
+    def find_spec(self, name, path, target=None):
+        wrap = self.wraps.get(name)
+        if wrap is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader.exec_module = wrap(spec.loader.exec_module)
+        return spec
+
+
+sys.meta_path.insert(0, _LeanTorchmetrics())
