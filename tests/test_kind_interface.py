@@ -43,7 +43,7 @@ def test_a_kind_implements_only_the_hooks(kind):
     assert "saved" in generic and "word_rewrite" in generic and "map_merge" in generic  # the generic protocol
     assert "apply" in generic and "stored_off" in generic  # the kernel built and run once; off of the saved form
     assert _overridden(kind) <= set(HOOKS), _overridden(kind) - set(HOOKS)
-    assert len(HOOKS) <= 12  # was 33 hooks, then 14 (apply and kernel, stored_off overridden by four kinds)  # was 33 hooks; see the report of issue 37 item 2 for what is left
+    assert len(HOOKS) <= 12  # was 33 hooks, then 14 (apply and kernel, stored_off overridden by four kinds)
 
 
 def test_registration_claims_pins_of_the_new_field_and_refuses_what_is_wrong(grid):
