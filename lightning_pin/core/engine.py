@@ -130,8 +130,8 @@ def _step_stats(elements: int, device: torch.device, moved: Sequence[Tensor], af
     )
 
 
-# C-level pieces of the loops over many small tensors (mask_all_grads, _StepPlan.run; no Python
-# frame per tensor): a parameter's .grad, "is None", a tensor's dtype, and a consumer
+# C-level pieces of the loop over many small gradients (_GradMasks.run; no Python frame per
+# tensor): a parameter's .grad, "is None", a tensor's dtype, and a consumer
 # that runs a map without keeping its results.
 _GRAD = operator.attrgetter("grad")
 _IS_NONE = functools.partial(operator.is_, None)
@@ -153,7 +153,7 @@ class _GradMasks:
         self.rows = list(rows)
         puts = [(parameter, *put, put[1].dtype, mask) for _, parameter, put, mask in self.rows if put is not None]
         #: Column by column: the parameters, positions, zeros, their dtype, each one's general mask.
-        self.puts: tuple[list[Any], ...] = tuple([*column] for column in zip(*puts)) if puts else ([],) * 5
+        self.puts: tuple[list[Any], ...] = tuple([*column] for column in zip(*puts)) if puts else ([], [], [], [], [])
         #: The parameters masked one at a time, with their masks.
         self.pairs = [(parameter, mask) for _, parameter, put, mask in self.rows if put is None]
 
@@ -201,18 +201,6 @@ class _StepPlan:
     #: The parameters whose storage the kernels are bound to, and where it was (``data_ptr``).
     bound: tuple[Tensor, ...] = ()
     storage: tuple[int, ...] = ()
-    #: The value pins of few elements in a dense tensor, restored by one put_ each mapped from C
-    #: (no Python frame per tensor), column by column: the data, the positions, the values. Their
-    #: parameters are among ``bound``; they have no entry in ``kernels``.
-    puts: tuple[Sequence[Tensor], ...] = ((), (), ())
-
-    def run(self) -> None:
-        """Restore every pin of the plan into its parameter's own data (a steady step's restore)."""
-        data, positions, values = self.puts
-        if data:
-            _CONSUME(map(Tensor.put_, data, positions, values))
-        for kernel in self.kernels:
-            kernel()
 
 
 #: ``data_ptr`` of a tensor, as a C function ``map`` calls without a Python frame (the step plan's check).
@@ -625,25 +613,18 @@ class PinEngine:
         elements = sum(p.elements for p in owned_values) + sum(f.elements for f in owned_faults)
         wholes = [t for t in owned if t.index is None]
         # Each kernel is bound to its parameter's storage; a sharded one reads its shard at every call.
-        # Value pins of few elements in a dense tensor are one put_ each, mapped from C (_StepPlan.run).
         kernels, bound = [], []
-        puts: tuple[list[Tensor], ...] = ([], [], [])
         for p in owned_values + owned_faults:
             parameter = p.target.parameter
             if is_sharded(parameter):
                 kernels.append(functools.partial(_apply_to_parameter, p))
-                continue
-            bound.append(parameter)
-            put = p.target.put_restore() if p.frozen else None
-            if put is None:
-                kernels.append(p.kernel(parameter.data))
             else:
-                for column, item in zip(puts, put[1:]):
-                    column.append(item)
+                kernels.append(p.kernel(parameter.data))
+                bound.append(parameter)
         layout = () if optimizer is None else tuple(len(group["params"]) for group in optimizer.param_groups)
         plan = self._step_plans[id(optimizer)] = _StepPlan(
             self._version, layout, owned, owned_faults, elements, wholes, kernels, tuple(bound),
-            tuple(map(_data_ptr, bound)), puts,
+            tuple(map(_data_ptr, bound)),
         )
         return plan
 
@@ -691,8 +672,8 @@ class PinEngine:
             return
         if tuple(map(_data_ptr, plan.bound)) != plan.storage:  # a .data swap since: bind the kernels again
             plan = self._build_step_plan(optimizer)
-        if plan.kernels or plan.puts[0]:
-            plan.run()
+        for kernel in plan.kernels:
+            kernel()
         self.last_step_active = self.active
         if hooks:
             for hook, _ in list(hooks.values()):

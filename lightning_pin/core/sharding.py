@@ -10,6 +10,7 @@ through it, so each is written once for dense, permuted (channels_last) and shar
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from typing import Any, Callable
 
@@ -92,35 +93,17 @@ class Target:
         return True
 
     def kernel(self) -> Callable[[], None] | None:
-        """The restore of an element pin into the parameter's own (dense) data as one call with
-        everything bound (a step plan's entry); None where :meth:`restore_dense` cannot write it.
-        If the parameter's storage moves since, the call takes the general path."""
+        """The restore of an element pin into the parameter's own (dense) data as one C call with
+        everything bound (a step plan's entry: no Python frame); None where :meth:`restore_dense`
+        cannot write it. It is bound to the storage the parameter has now: a caller whose parameter
+        may move binds it again (the step plan compares ``data_ptr`` once a step)."""
         fast = self._fast_restore()
         if fast is None:
             return None
-        ptr, data, wide, values, by_put = fast
-        parameter = self.parameter
-
-        def restore() -> None:
-            if parameter.data_ptr() != ptr:
-                if not self.restore_dense():
-                    view, positions, targets = self.part(parameter.data)
-                    copy_at(view, positions, targets)
-            elif by_put:
-                data.put_(wide, values)
-            else:
-                data.index_copy_(0, wide, values)
-
-        return restore
-
-    def put_restore(self) -> tuple[int, Tensor, Tensor, Tensor] | None:
-        """``(data_ptr, data, positions, values)`` such that ``data.put_(positions, values)``
-        restores this pin while the parameter's storage stays at ``data_ptr``: what a step plan
-        runs from C over many small tensors at once; None where :meth:`kernel` takes another path."""
-        fast = self._fast_restore()
-        if fast is None or not fast[4]:
-            return None
-        return fast[0], fast[1], fast[2], fast[3]
+        _, data, wide, values, by_put = fast
+        if by_put:
+            return functools.partial(data.put_, wide, values)
+        return functools.partial(data.index_copy_, 0, wide, values)
 
     def mask_grad(self, grad: Tensor) -> None:
         """Zero the pinned elements of ``grad`` (all of it for a whole tensor): ``put_`` of shared

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import hashlib
 import math
 import numbers
@@ -656,6 +657,11 @@ class _Composed:
             self.int_dtype = int_dtype
             self.keep = keep.to(int_dtype).to(device)
             self.set = set_.to(int_dtype).to(device)
+        #: What the forward hook calls: :meth:`apply`, or for stuck values alone (the common case)
+        #: its one ``where`` bound from C, without a Python frame per module and forward.
+        self.write: Callable[[Tensor], Tensor] = (
+            functools.partial(torch.where, self.value_mask, self.values) if self.bits_mask is None else self.apply
+        )
 
     def apply(self, out: Tensor) -> Tensor:
         """``out`` with the stuck positions written; no gradient flows into them (sync-free)."""
@@ -807,10 +813,7 @@ class NeuronHold:
                 composed = self._composed_for(name, first)
             if not composed.writes:
                 return None
-            if composed.bits_mask is None:  # stuck values alone (the common case): apply, written out
-                stuck = torch.where(composed.value_mask, composed.values, first)
-            else:
-                stuck = composed.apply(first)
+            stuck = composed.write(first)
             return (stuck, *output[1:]) if isinstance(output, tuple) else stuck
 
         return hook
