@@ -1,6 +1,7 @@
 """Gradient masks on their fast paths: one C-level map of ``put_`` over many small tensors
-(``PinEngine.mask_all_grads``) and one dense pass with an int8 mask for pins of many elements
-(``Target._keep_dense``) write the same words as the general mask, ``index_fill_`` of zeros."""
+(``PinEngine.mask_all_grads``) and one dense pass with a kept mask for pins of many elements
+(``Target._keep_dense``: int8, or the gradient's word width on CPU) write the same words as the general
+mask, ``index_fill_`` of zeros."""
 
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ def _grad_with_specials(numel: int, dtype: torch.dtype, seed: int) -> torch.Tens
     fraction=st.floats(0.34, 1.0),
     dtype=st.sampled_from(list(_WORD)),
     seed=st.integers(0, 2**16),
+    narrow=st.booleans(),
 )
-def test_the_dense_mask_writes_the_words_index_fill_writes(numel, fraction, dtype, seed):
+def test_the_dense_mask_writes_the_words_index_fill_writes(numel, fraction, dtype, seed, narrow):
+    """Either mask dtype: the word width (CPU's) or int8 (CUDA's, sign-extended by the AND)."""
     generator = torch.Generator().manual_seed(seed)
     count = max(1, min(numel, round(fraction * numel)))
     index = torch.randperm(numel, generator=generator)[:count].sort().values.int()
@@ -43,9 +46,22 @@ def test_the_dense_mask_writes_the_words_index_fill_writes(numel, fraction, dtyp
     target = Target("w", parameter, index, torch.zeros(count, dtype=dtype))
     grad = _grad_with_specials(numel, dtype, seed)
     expected = grad.clone().index_fill_(0, index.long(), 0)
+    keep_dtype = torch.int8 if narrow else _WORD[dtype]
 
-    assert target._keep_dense(grad)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sharding, "keep_dtype", lambda grad: keep_dtype)
+        assert target._keep_dense(grad)
+    assert target._keep.dtype == keep_dtype
     assert torch.equal(grad.view(_WORD[dtype]), expected.view(_WORD[dtype]))
+
+
+def test_on_cpu_the_mask_has_the_gradients_word_width():
+    """CPU kernels would copy an int8 mask to the word width on every step (see keep_dtype)."""
+    for dtype, word in _WORD.items():
+        parameter = nn.Parameter(torch.zeros(6, dtype=dtype))
+        target = Target("w", parameter, torch.arange(3, dtype=torch.int32), torch.zeros(3, dtype=dtype))
+        assert target._keep_dense(torch.ones(6, dtype=dtype))
+        assert target._keep.dtype == word
 
 
 def test_mask_grad_takes_the_dense_pass_from_a_third_of_the_elements_on(monkeypatch):

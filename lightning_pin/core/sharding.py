@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from lightning_pin.core.errors import PinError
 
 __all__ = [
-    "LocalPart", "PUT_LIMIT", "Target", "WIDE_LIMIT", "copy_at", "fill_at", "flat_view", "is_sharded", "local_part",
-    "local_tensor", "shared_zeros", "wide_index",
+    "LocalPart", "PUT_LIMIT", "Target", "WIDE_LIMIT", "copy_at", "fill_at", "flat_view", "is_sharded", "keep_dtype",
+    "local_part", "local_tensor", "shared_zeros", "wide_index",
 ]
 
 
@@ -131,10 +131,10 @@ class Target:
 
     def _keep_dense(self, grad: Tensor) -> bool:
         """Zero a dense pin of many elements with one pass over ``grad``: its words ANDed with a
-        kept mask of int8 (-1 where free, 0 where pinned; sign-extended to the word, so the pinned
-        words become +0.0 exactly as ``index_fill_`` writes them). From :data:`DENSE_FRACTION` of
-        the tensor on, that pass costs less than widening the indices and scattering zeros, and
-        the mask (one byte an element) less memory than the int32 indices. False: not such a case."""
+        kept mask (-1 where free, 0 where pinned; sign-extended to the word, so the pinned words
+        become +0.0 exactly as ``index_fill_`` writes them). From :data:`DENSE_FRACTION` of the
+        tensor on, that pass costs less than widening the indices and scattering zeros. The mask's
+        dtype is :func:`keep_dtype`'s. False: not such a case."""
         index = self.index
         if (
             index is None
@@ -144,9 +144,9 @@ class Target:
             or is_sharded(grad)
         ):
             return False
-        keep = self._keep
-        if keep is None or keep.device != grad.device or keep.numel() != grad.numel():
-            keep = torch.full((grad.numel(),), -1, dtype=torch.int8, device=grad.device)
+        keep, dtype = self._keep, keep_dtype(grad)
+        if keep is None or keep.device != grad.device or keep.numel() != grad.numel() or keep.dtype != dtype:
+            keep = torch.full((grad.numel(),), -1, dtype=dtype, device=grad.device)
             fill_at(keep, index.to(grad.device), 0)
             self._keep = keep
         grad.view(-1).view(_WORDS[grad.element_size()]).bitwise_and_(keep)
@@ -313,12 +313,22 @@ _CONVERT_CHUNK = 1 << 18
 #: tensor), the index kernels less per element (10-25% fewer ns per element from ~10,000 on).
 PUT_LIMIT = 4096
 
-#: From this fraction of a tensor's elements on, a gradient mask is one dense pass with an int8
+#: From this fraction of a tensor's elements on, a gradient mask is one dense pass with a kept
 #: mask (see Target._keep_dense) rather than a scatter of zeros: measured on 2 CPU threads over
-#: 6.25M elements, the dense pass costs about the same at any fraction (~2 ms), the scatter
-#: with widened indices ~1.4 ms at 20% and ~3.2 ms at 50%.
+#: 6.25M float32 elements, the dense pass costs the same at any fraction (0.55-0.75 ms with an
+#: int32 mask, 1.5-1.9 ms with int8), the scatter with widened indices 1.6 ms at 20% and 3.6 ms at
+#: 50%. Below it the scatter costs too little to pay for the mask's memory (4 bytes an element on CPU).
 DENSE_FRACTION = 1 / 3
 _WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def keep_dtype(grad: Tensor) -> torch.dtype:
+    """The dtype of a dense gradient mask (Target._keep_dense) for ``grad``: int8 (one byte an element)
+    where the AND reads it as it is (CUDA's kernels cast an operand in registers), the gradient's own
+    word width on CPU, whose kernels first copy a narrower operand to the common dtype: every step, a
+    temporary of the word width for the whole tensor (measured on 6.25M float32 elements, 2 threads:
+    1.5 ms against 0.55 ms with an int32 mask; the memory is that temporary's, kept)."""
+    return _WORDS[grad.element_size()] if grad.device.type == "cpu" else torch.int8
 
 #: Index tensors of at most this many elements get an int64 copy, made once and kept as long as
 #: the index lives (8 more bytes per pinned element, at most 512 KiB per tensor): there the fixed
