@@ -1,7 +1,8 @@
 """The layers stay plain: core imports torch only, reporting imports neither the engine nor
-Lightning, and ``from lightning_pin import pin`` loads no Lightning (checked in fresh processes)."""
+Lightning, and ``from lightning_pin import pin`` loads no Lightning (checked in a fresh interpreter)."""
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -53,14 +54,49 @@ def test_layer_imports_nothing_above_it(folder, forbidden):
     assert {f: n for f, n in offending.items() if n} == {}
 
 
-def _modules_after(statement: str) -> list[str]:
-    code = f"import sys; {statement}; print('\\n'.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return out.split()
+#: What a fresh interpreter is asked to do, in this order (:func:`fresh`). Each statement imports ``lightning_pin``
+#: first (a package's ``__init__`` runs before any of its names or submodules), so running them one after
+#: another loads, by each one, exactly what it loads alone in a fresh interpreter, plus what the statements
+#: before it loaded: the Lightning layer comes last, after every statement that must not load it.
+EXPORTS = (
+    "import types, lightning_pin as lp; print(' '.join(sorted(n for n, v in vars(lp).items() "
+    "if not n.startswith('_') and not isinstance(v, types.ModuleType)))); print(' '.join(sorted(lp.__all__)))"
+)
+FRONT_DOOR = "from lightning_pin import pin, PinHandle, Pin, PinError"
+REGISTRY = (
+    "from lightning_pin.core.spec import Pin\nfrom lightning_pin.core.errors import PinError\n"
+    "try:\n    Pin('w', bounds=(1.0, 0.0))\nexcept PinError as err:\n    print('refused', err)\n"
+    "print(Pin('w', code={'bits': 4, 'scale': 0.5}, stuck_at_one=1).kind)"
+)
+LIGHTNING_LAYER = "from lightning_pin import PinCallback, PinMonitor"
+STATEMENTS = ("import lightning_pin", EXPORTS, FRONT_DOOR, REGISTRY, "from lightning_pin import PinCallback, pin, Pin",
+              LIGHTNING_LAYER)
+_FRESH = """
+import contextlib, io, json, sys
+done = {}
+for statement in json.loads(sys.argv[1]):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        exec(statement, {})
+    done[statement] = {"modules": sorted(sys.modules), "stdout": out.getvalue()}
+print(json.dumps(done))
+"""
 
 
-def test_front_door_imports_no_lightning():
-    loaded = _modules_after("from lightning_pin import pin, PinHandle, Pin, PinError")
+@pytest.fixture(scope="module")
+def fresh() -> dict[str, dict]:
+    """One fresh interpreter runs :data:`STATEMENTS` in order (seconds of torch's and Lightning's imports once, not
+    per statement): per statement, the modules loaded after it and what it printed."""
+    out = subprocess.run([sys.executable, "-c", _FRESH, json.dumps(STATEMENTS)], capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out)
+
+
+def _modules_after(fresh: dict[str, dict], statement: str) -> list[str]:
+    return fresh[statement]["modules"]
+
+
+def test_front_door_imports_no_lightning(fresh):
+    loaded = _modules_after(fresh, FRONT_DOOR)
     assert [m for m in loaded if m.split(".")[0] in LIGHTNING + ("hydra", "torchmetrics")] == []
     # Nor torch's DTensor (seconds of import, sympy included): only sharded training needs it.
     assert [m for m in loaded if m.startswith("torch.distributed.tensor") or m == "sympy"] == []
@@ -100,9 +136,12 @@ def test_kinds_import_nothing_reporting_may_not():
     assert offending and {f: n for f, n in offending.items() if n} == {}
 
 
-def test_lightning_layer_loads_on_first_use():
-    loaded = _modules_after("from lightning_pin import PinCallback, PinMonitor")
+def test_lightning_layer_loads_on_first_use(fresh):
+    loaded = _modules_after(fresh, LIGHTNING_LAYER)
     assert "lightning.pytorch" in loaded and "lightning_pin.callbacks.pin_callback" in loaded
+    # Loaded by the first use, not before it (the statements before it loaded neither).
+    before = _modules_after(fresh, REGISTRY)
+    assert "lightning.pytorch" not in before and "lightning_pin.callbacks.pin_callback" not in before
 
 
 # ------------------------------------------------------------------------------------------------
@@ -273,14 +312,9 @@ def test_core_modules_import_only_their_layer_and_below():
     assert upward == {}
 
 
-def test_the_kinds_fill_the_registry_in_a_fresh_process():
+def test_the_kinds_fill_the_registry_in_a_fresh_process(fresh):
     # Pin's field checks ask the registry: whichever module comes first, the kinds are registered.
-    code = (
-        "from lightning_pin.core.spec import Pin\nfrom lightning_pin.core.errors import PinError\n"
-        "try:\n    Pin('w', bounds=(1.0, 0.0))\nexcept PinError as err:\n    print('refused', err)\n"
-        "print(Pin('w', code={'bits': 4, 'scale': 0.5}, stuck_at_one=1).kind)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = fresh[REGISTRY]["stdout"]
     assert out.startswith("refused Pin(params='w', bounds=(1.0, 0.0)): ") and out.endswith("\nquant_code\n")
 
 
@@ -361,12 +395,8 @@ def test_every_module_says_what_it_exports_and_binds_it():
     assert missing == [] and unbound == {}
 
 
-def test_the_package_exports_the_documented_api_and_nothing_else():
-    code = (
-        "import types, lightning_pin as lp; print(' '.join(sorted(n for n, v in vars(lp).items() "
-        "if not n.startswith('_') and not isinstance(v, types.ModuleType)))); print(' '.join(sorted(lp.__all__)))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+def test_the_package_exports_the_documented_api_and_nothing_else(fresh):
+    out = fresh[EXPORTS]["stdout"]
     names, exported = out.split("\n")[:2]
     # PinCallback and PinMonitor load on first use (the Lightning layer): exported, not yet bound.
     assert set(names.split()) | {"PinCallback", "PinMonitor"} == set(exported.split()) == {
@@ -377,7 +407,7 @@ def test_the_package_exports_the_documented_api_and_nothing_else():
 @pytest.mark.parametrize(
     "statement", ["import lightning_pin", "from lightning_pin import PinCallback, pin, Pin"]
 )
-def test_the_package_imports_neither_hydra_nor_omegaconf(statement):
-    loaded = _modules_after(statement)
+def test_the_package_imports_neither_hydra_nor_omegaconf(statement, fresh):
+    loaded = _modules_after(fresh, statement)
     assert "torch" in loaded  # the reader sees what was imported (it can fail)
     assert [m for m in loaded if m.split(".")[0] in ("hydra", "omegaconf")] == []

@@ -1,13 +1,13 @@
 """Every ```python block of README.md, CONTRIBUTING.md and the docs site's pages (docs/**/*.md) runs as
-written: each in a process of its own (forked from one that imported torch and Lightning:
-tests/readme_runner.py), in an empty directory, with a timeout. A page whose blocks use names that
-stand for the user's own objects says so (its "stand for your own" sentence); only those come from
-tests/readme_user.py, and only into a block that uses them without defining them. Blocks and pages added
+written: each in a process of its own (forked from one that imported torch, Lightning and Hydra:
+tests/fork_runner.py, the suite's one such process per worker), in an empty directory, with a
+timeout. A page whose blocks use names that stand for the user's own objects says so (its "stand for your
+own" sentence); only those come from tests/readme_user.py, and only into a block that uses them without
+defining them. Blocks and pages added
 later are picked up by the same extraction: this is the one mechanism that runs the docs' examples."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -92,50 +92,43 @@ def test_the_extraction_finds_indented_blocks_and_spots_the_user_names():
     assert user_names_used("def train(net):\n    return net\ntrain(model)") == ["model"]
 
 
-@pytest.fixture(scope="module")
-def runner():
-    """tests/readme_runner.py: forks a process per block from one that imported torch and Lightning."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-    }
-    process = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "readme_runner.py")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
-    )
-    yield process
-    process.stdin.close()
-    process.wait(timeout=60)
+#: The blocks' environment: the checkout under test and tests/ (readme_user.py) on the path, one thread.
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def run_block(fork_runner, script: Path, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    """``python block.py`` in the block's directory, forked from the process that imported torch, Lightning and
+    Hydra once (tests/fork_runner.py: ``sys.path[0]`` is the block's directory, tests/ is on the path)."""
+    return fork_runner.run([sys.executable, str(script)], cwd=script.parent, env=ENV, timeout=timeout)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the runner forks a process per block")
 @pytest.mark.parametrize("path,line,code", BLOCKS, ids=[f"{path}:{line}" for path, line, _ in BLOCKS])
-def test_doc_block_runs_as_written(tmp_path, runner, path, line, code):
+def test_doc_block_runs_as_written(tmp_path, fork_runner, path, line, code):
     stand_ins = user_names_used(code)
     preamble = f"from readme_user import {', '.join(stand_ins)}\n" if stand_ins else ""
     script = tmp_path / f"block_line_{line}.py"
     script.write_text(preamble + code)
-    runner.stdin.write(json.dumps({"script": script.name, "cwd": str(tmp_path), "timeout": TIMEOUT}) + "\n")
-    runner.stdin.flush()
-    reply = runner.stdout.readline()
-    assert reply, "the doc-block runner died"
-    status = json.loads(reply)["status"]
-    output = (tmp_path / "stdout.txt").read_text() + (tmp_path / "stderr.txt").read_text()
-    why = "timed out" if status == -14 else f"exit status {status}"
-    assert status == 0, f"{path} line {line} failed ({why}):\n{code}\n--- output ---\n{output}"
+    done = run_block(fork_runner, script)
+    why = "timed out" if done.returncode == -14 else f"exit status {done.returncode}"
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{path} line {line} failed ({why}):\n{code}\n--- output ---\n{output}"
 
 
-def test_the_runner_reports_a_failing_block_and_a_timeout(tmp_path, runner):
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the runner forks a process per block")
+def test_the_runner_reports_a_failing_block_and_a_timeout(tmp_path, fork_runner):
     cases = (
         ("import sys\nprint(undefined_name)\n", 1, TIMEOUT, "NameError: name 'undefined_name' is not defined"),
         ("import torch\nprint(lightning.__version__)\n", 1, TIMEOUT, "name 'lightning' is not defined"),
+        ("from readme_user import model\nprint(type(model).__name__)\n", 0, TIMEOUT, ""),
         ("while True: pass\n", -14, 1, ""),
     )
     for code, expected, timeout, message in cases:
         (tmp_path / "block.py").write_text(code)
-        runner.stdin.write(json.dumps({"script": "block.py", "cwd": str(tmp_path), "timeout": timeout}) + "\n")
-        runner.stdin.flush()
-        assert json.loads(runner.stdout.readline())["status"] == expected
-        assert message in (tmp_path / "stderr.txt").read_text()
+        done = run_block(fork_runner, tmp_path / "block.py", timeout)
+        assert done.returncode == expected, done.stderr
+        assert message in done.stderr

@@ -40,8 +40,9 @@ def run(args: list[str], cwd: Path, timeout: float = 240, runner=None, **env_var
 @pytest.fixture
 def train(fork_runner):
     """``python -m lightning_pin.train [overrides]`` as a user runs it, in a process of its own forked from one that
-    imported torch, Lightning and Hydra once (tests/fork_runner.py). The console script's test below, and
-    tests/test_packaging.py's installed wheel, start the app in fresh interpreters."""
+    imported torch, Lightning and Hydra once (tests/fork_runner.py). The console script's test below forks its file
+    too; tests/test_custom_model.py's console script and tests/test_packaging.py's installed wheel start the app in
+    fresh interpreters."""
 
     def train(*overrides: str, cwd: Path, **env_vars: str) -> subprocess.CompletedProcess:
         return run([sys.executable, "-m", "lightning_pin.train", *overrides], cwd=cwd, runner=fork_runner, **env_vars)
@@ -184,14 +185,18 @@ def test_cell_faults_are_drawn_on_the_pretrained_model_and_hold(tmp_path, train)
         assert held.abs().max() == model.get_parameter(p.params).detach().abs().max()
 
 
-def test_console_script_forwards_overrides_and_loads_ckpt_path(tmp_path):
+def test_console_script_forwards_overrides_and_loads_ckpt_path(tmp_path, fork_runner):
+    """The installed console script's file, forked from the process that imported torch, Lightning and Hydra once
+    (what it forwards does not depend on a fresh interpreter: tests/test_custom_model.py starts the console script
+    in fresh interpreters, tests/test_packaging.py the installed wheel's app)."""
     torch.manual_seed(0)
     start = Classifier(SmallCNN())
     torch.save({"state_dict": start.state_dict()}, tmp_path / "start.pt")
     script = Path(sys.executable).with_name("lightning-pin")
     result = run(
-        [str(script), "train", *TINY, "pin=elements", "optimizer=adam", "ckpt_path=start.pt", "hydra.run.dir=out"],
-        cwd=tmp_path,
+        [sys.executable, str(script), "train", *TINY, "pin=elements", "optimizer=adam", "ckpt_path=start.pt",
+         "hydra.run.dir=out"],
+        cwd=tmp_path, runner=fork_runner,
     )
     assert result.returncode == 0, result.output
     assert "Loaded the model's weights from start.pt" in result.output and "Pretraining" not in result.output
@@ -242,9 +247,11 @@ def test_app_error_shows_the_traceback_on_request(tmp_path, train):
 
 
 def test_multirun_writes_a_summary_row_per_job(tmp_path, train):
+    # A given checkpoint skips each job's pretraining (what the summary rows hold does not need it).
+    torch.save({"state_dict": Classifier(SmallCNN()).state_dict()}, tmp_path / "start.pt")
     result = train(
-        "-m", *TINY, "pin.fraction=0.01,0.2", f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=job${hydra.job.num}",
-        cwd=tmp_path,
+        "-m", *TINY, f"ckpt_path={tmp_path / 'start.pt'}", "pin.fraction=0.01,0.2", f"hydra.sweep.dir={tmp_path}",
+        "hydra.sweep.subdir=job${hydra.job.num}", cwd=tmp_path,
     )
     assert result.returncode == 0, result.output
     with open(tmp_path / "sweep_summary.csv", newline="") as file:
