@@ -229,9 +229,13 @@ def test_a_scheduler_changing_a_float_lr_falls_back_with_the_fix_named():
 
 
 def test_a_tensor_lr_under_a_scheduler_created_after_pin_compiles_once():
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1), momentum=0.9)
-    with pin(model, optimizer, [Pin("0.weight", indices=[(0, 1)], value=0.75)], compile_step=True) as handle:
+    # The model, optimizer and held tensor of the compile_step example in docs/explanation/performance.md (run by
+    # tests/test_readme.py): one pair of graphs for both in a fresh clone (inductor's cache).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.1), weight_decay=0.1)
+    pins = [Pin("0.weight", fraction=0.5, seed=0), Pin("0.weight", indices=[(0, 1)], value=0.75)]
+    with pin(model, optimizer, pins, compile_step=True) as handle:
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
         assert isinstance(optimizer.__dict__["step"], CompiledStep)  # the scheduler did not wrap it again
         with warnings.catch_warnings():
@@ -239,8 +243,8 @@ def test_a_tensor_lr_under_a_scheduler_created_after_pin_compiles_once():
             warnings.filterwarnings("error", message=".*lr_scheduler.step")
             warnings.filterwarnings("error", message="compile_step")
             for step in range(4):
-                model(torch.randn(4, 6)).square().mean().backward()
-                with torch._dynamo.config.patch(error_on_recompile=step > 1):  # the first step creates the momentum
+                model(torch.randn(4, 8)).square().mean().backward()
+                with torch._dynamo.config.patch(error_on_recompile=step > 1):  # the first step creates the moments
                     optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
