@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 # Before torch is imported, so before torch._inductor.config reads it: inductor compiles each graph's C++ in this
-# process instead of starting a pool of compile workers. On 2 cores the pool's start-up costs more than its
-# parallel compiles save (the compile_step docs block: 28 s instead of 54 s cold). The processes the tests start
-# (ranks, doc-block runners, app runs) inherit it.
+# process instead of starting a pool of compile workers (a sidecar interpreter and its workers). On 2 cores the
+# pool's start-up costs more than its parallel compiles save (the compile_step docs block, cold, on a loaded
+# machine: 28 s wall instead of 54 s; idle, about the same). The processes the tests start (ranks, doc-block
+# runners, app runs) inherit it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
