@@ -338,7 +338,8 @@ def test_pin_can_leave_pinned_gradients_to_the_compiled_step():
     """zero_pinned_grads=False: gradients as backward made them; pinned elements exact, free ones
     bit-identical to torch.compile(opt.step) on an unpinned copy fed the very same gradients."""
     model, reference = _model(), _model()
-    optimizer, ref_optimizer = OPTIMIZERS["adamw_wd"](model.parameters()), OPTIMIZERS["adamw_wd"](reference.parameters())
+    optimizer = OPTIMIZERS["adamw_wd"](model.parameters())
+    ref_optimizer = OPTIMIZERS["adamw_wd"](reference.parameters())
     ref_step = torch.compile(ref_optimizer.step)
     with pin(model, optimizer, HALF_OF_0_WEIGHT, compile_step=True, zero_pinned_grads=False) as handle:
         target = handle.engine.targets()[0]
