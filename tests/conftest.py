@@ -5,7 +5,15 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
+
+# Before torch is imported, so before torch._inductor.config reads it: inductor compiles each graph's C++ in this
+# process instead of starting a pool of compile workers (a sidecar interpreter and its workers). On 2 cores the
+# pool's start-up costs more than its parallel compiles save (the compile_step docs block, cold, on a loaded
+# machine: 28 s wall instead of 54 s; idle, about the same). The processes the tests start (ranks, doc-block
+# runners, app runs) inherit it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
 
 # The ranks' start-up file (see LEAN_RANKS below): not a test module, and never imported by the test process.
 collect_ignore = ["lean_ranks"]

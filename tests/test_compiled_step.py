@@ -5,6 +5,10 @@ decay, SGD with momentum, Adam with amsgrad and maximize) on one tiny model, eac
 accumulation and clipping in a plain loop, compared step by step with ``torch.compile(opt.step)``
 on an unpinned copy fed the same masked gradients; then ``when`` toggles without recompiling,
 the fallback warnings, a Trainer fit with resume.
+
+Each new graph costs seconds of inductor's C++ compile (a fresh clone's cache is empty), so the tests that check
+something other than the optimizer reuse the optimizers, shapes and held tensors of another test: the same graph,
+compiled once (inductor's cache). Which tests share a graph is said at each.
 """
 
 from __future__ import annotations
@@ -186,7 +190,9 @@ def test_a_compile_error_falls_back_to_the_eager_step_with_one_warning(monkeypat
 
 
 def test_trainer_fit_with_accumulation_clipping_and_resume(tmp_path):
-    pins = [Pin("encoder.weight", fraction=0.3, seed=1), Pin("head.bias", value=0.0)]
+    # The step's graphs are those of test_without_clipping_...: the same optimizer, and encoder.weight the one tensor
+    # the step holds (head.weight's one element, below DENSE_FROM, is the engine's to restore).
+    pins = [Pin("encoder.weight", fraction=0.3, seed=1), Pin("head.weight", indices=[(1, 2)], value=0.0)]
 
     def fit(max_epochs: int, ckpt_path=None):
         torch.manual_seed(0)
@@ -202,7 +208,7 @@ def test_trainer_fit_with_accumulation_clipping_and_resume(tmp_path):
     _, t = fit(1)
     t.save_checkpoint(tmp_path / "half.ckpt")
     resumed, _ = fit(2, ckpt_path=tmp_path / "half.ckpt")
-    assert torch.equal(straight.head.bias, torch.zeros_like(straight.head.bias))
+    assert straight.head.weight[1, 2].item() == 0.0
     for name, value in straight.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], value), name
 
@@ -223,9 +229,13 @@ def test_a_scheduler_changing_a_float_lr_falls_back_with_the_fix_named():
 
 
 def test_a_tensor_lr_under_a_scheduler_created_after_pin_compiles_once():
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1), momentum=0.9)
-    with pin(model, optimizer, [Pin("0.weight", indices=[(0, 1)], value=0.75)], compile_step=True) as handle:
+    # The model, optimizer and held tensor of the compile_step example in docs/explanation/performance.md (run by
+    # tests/test_readme.py): one pair of graphs for both in a fresh clone (inductor's cache).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.1), weight_decay=0.1)
+    pins = [Pin("0.weight", fraction=0.5, seed=0), Pin("0.weight", indices=[(0, 1)], value=0.75)]
+    with pin(model, optimizer, pins, compile_step=True) as handle:
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
         assert isinstance(optimizer.__dict__["step"], CompiledStep)  # the scheduler did not wrap it again
         with warnings.catch_warnings():
@@ -233,8 +243,8 @@ def test_a_tensor_lr_under_a_scheduler_created_after_pin_compiles_once():
             warnings.filterwarnings("error", message=".*lr_scheduler.step")
             warnings.filterwarnings("error", message="compile_step")
             for step in range(4):
-                model(torch.randn(4, 6)).square().mean().backward()
-                with torch._dynamo.config.patch(error_on_recompile=step > 1):  # the first step creates the momentum
+                model(torch.randn(4, 8)).square().mean().backward()
+                with torch._dynamo.config.patch(error_on_recompile=step > 1):  # the first step creates the moments
                     optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
@@ -244,7 +254,8 @@ def test_a_tensor_lr_under_a_scheduler_created_after_pin_compiles_once():
 
 def test_grad_scaler_steps_run_compiled_and_skipped_steps_change_nothing():
     model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # The graphs of test_pinned_exact_...[sgd_momentum]: its optimizer, 0.weight held, 2.bias's gradient dropped.
+    optimizer = OPTIMIZERS["sgd_momentum"](model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     with pin(model, optimizer, [Pin("0.weight", fraction=0.5, seed=3), Pin("2.bias", value=0.0)],
              compile_step=True) as handle:
@@ -301,10 +312,15 @@ def test_without_clipping_the_callback_leaves_gradients_and_the_step_ignores_the
         assert torch.equal(state[key].reshape(-1)[index], torch.zeros(index.numel())), key
 
 
+#: The pins of the tests below: with OPTIMIZERS["adamw_wd"], the graphs of test_pinned_exact_...[adamw_wd]
+#: (0.weight held by the step, 2.bias's gradient dropped), compiled once for all of them.
+HALF_OF_0_WEIGHT = [Pin("0.weight", fraction=0.5, seed=2), Pin("2.bias")]
+
+
 def test_a_write_between_steps_is_undone_by_the_next_step():
     model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    with pin(model, optimizer, [Pin("0.weight", fraction=0.5, seed=2)], compile_step=True) as handle:
+    optimizer = OPTIMIZERS["adamw_wd"](model.parameters())
+    with pin(model, optimizer, HALF_OF_0_WEIGHT, compile_step=True) as handle:
         for step in range(4):
             model(torch.randn(4, 6)).square().mean().backward()
             optimizer.step()
@@ -322,11 +338,10 @@ def test_pin_can_leave_pinned_gradients_to_the_compiled_step():
     """zero_pinned_grads=False: gradients as backward made them; pinned elements exact, free ones
     bit-identical to torch.compile(opt.step) on an unpinned copy fed the very same gradients."""
     model, reference = _model(), _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+    optimizer = OPTIMIZERS["adamw_wd"](model.parameters())
+    ref_optimizer = OPTIMIZERS["adamw_wd"](reference.parameters())
     ref_step = torch.compile(ref_optimizer.step)
-    with pin(model, optimizer, [Pin("0.weight", fraction=0.5, seed=2)], compile_step=True,
-             zero_pinned_grads=False) as handle:
+    with pin(model, optimizer, HALF_OF_0_WEIGHT, compile_step=True, zero_pinned_grads=False) as handle:
         target = handle.engine.targets()[0]
         index = target.index.long()
         with torch.no_grad():
@@ -342,6 +357,7 @@ def test_pin_can_leave_pinned_gradients_to_the_compiled_step():
                 assert torch.equal(model[0].weight.grad, reference[0].weight.grad)
             else:
                 reference[0].weight.grad.view(-1)[index] = 0.0
+            reference[2].bias.grad = None  # wholly pinned: its gradient dropped, as the pin drops the model's
             optimizer.step()
             ref_step()
             for m, o in ((model, optimizer), (reference, ref_optimizer)):
@@ -357,10 +373,8 @@ def test_the_compiled_step_names_itself_to_a_profiler_as_torch_step_does():
     """The profiler range is entered only while a profiler listens (it costs ~10 us a step), and
     then under torch's own name for an optimizer step."""
     model = _model()
-    # The optimizer and pins of test_a_write_between_steps_is_undone_by_the_next_step: the same graph, so a fresh
-    # clone's first run compiles it once (inductor's cache), not twice.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    with pin(model, optimizer, [Pin("0.weight", fraction=0.5, seed=2)], compile_step=True) as handle:
+    optimizer = OPTIMIZERS["adamw_wd"](model.parameters())
+    with pin(model, optimizer, HALF_OF_0_WEIGHT, compile_step=True) as handle:
         for _ in range(2):
             model(torch.randn(8, 6)).square().mean().backward()
             optimizer.step()

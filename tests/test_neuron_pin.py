@@ -500,6 +500,12 @@ def test_neuron_pins_from_mappings():
 # torch.compile
 
 
+#: The pins and batch shape of both tests below: the forward and backward graphs that inductor compiles for the
+#: one serve the other (its cache), seconds of C++ compile each.
+COMPILED_PINS = [NeuronPin("fc1", channels=[3], value=0.5), NeuronPin("fc2", indices=[1], stuck_at_zero=0x80000000)]
+COMPILED_BATCH = 5
+
+
 # With test_compiled_step.py on one xdist worker: inductor's first compile in a process (its imports, the C++
 # toolchain's probing and, in a fresh clone, the vector ISA checks) is paid by one worker, not both.
 @pytest.mark.xdist_group("inductor")
@@ -511,11 +517,11 @@ def test_compiled_model_keeps_the_stuck_neurons():
     compiled = torch.compile(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-    pins = [NeuronPin("fc1", indices=[3], value=0.5), NeuronPin("fc2", indices=[1], stuck_at_zero=0x80000000)]
+    pins = COMPILED_PINS
     g = torch.Generator().manual_seed(3)
     with pin(compiled, opt, pins), pin(reference, ref_opt, pins):
         for _ in range(4):
-            x = torch.randn(5, 6, generator=g)
+            x = torch.randn(COMPILED_BATCH, 6, generator=g)
             out, ref = compiled(x), reference(x)
             assert torch.equal(out[:, 1], out[:, 1].abs())
             assert torch.allclose(out, ref, atol=1e-5)  # compiled kernels may round differently...
@@ -530,17 +536,17 @@ def test_compiled_after_pin_and_refusals_under_compile():
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with pin(model, opt, [NeuronPin("fc1", channels=[0, 4], value=0.0)]):  # pinned first, compiled after
+    with pin(model, opt, COMPILED_PINS):  # pinned first, compiled after
         compiled = torch.compile(model)
         seen = Recorder(model.fc2)
         for _ in range(3):
-            compiled(torch.randn(4, 6)).sum().backward()
-            assert torch.equal(model.fc1.weight.grad[[0, 4]], torch.zeros(2, 6))
+            compiled(torch.randn(COMPILED_BATCH, 6)).sum().backward()
+            assert torch.equal(model.fc1.weight.grad[3], torch.zeros(6))
             opt.step()
             opt.zero_grad()
     assert len(seen.outputs) == 3
     bad = MLP()
     compiled = torch.compile(bad)
-    with pin(compiled, torch.optim.SGD(bad.parameters(), lr=0.1), [NeuronPin("fc2", channels=[3])]):
-        with pytest.raises(PinError, match="channels \\[3\\] are outside its output's 3 channels"):
-            compiled(torch.randn(2, 6))
+    with pin(compiled, torch.optim.SGD(bad.parameters(), lr=0.1), [NeuronPin("fc1", channels=[10])]):
+        with pytest.raises(PinError, match="channels \\[10\\] are outside its output's 10 channels"):
+            compiled(torch.randn(COMPILED_BATCH, 6))

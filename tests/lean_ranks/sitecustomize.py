@@ -2,10 +2,11 @@
 ranks and peak-memory processes, the joblib launcher's workers), never by the test process itself: the
 ``lean_ranks`` fixture (tests/conftest.py) puts this directory on their ``PYTHONPATH`` while they start.
 
-Lightning imports torchmetrics, and torchmetrics imports transformers (for BERTScore) and scipy.signal (for its
-audio metrics) whenever they are installed: about 1.5 s of CPU in every such process, for metrics none of them
-uses. Here torchmetrics skips those two imports: its own flags for the two packages read False. Nothing else
-changes: both packages stay importable, and lightning_pin's code is the same as in any other process.
+Lightning imports torchmetrics, and torchmetrics imports transformers (for BERTScore), scipy.signal (for its
+audio metrics) and matplotlib (for Metric.plot) whenever they are installed: about 2 s of CPU in every such
+process, for metrics and plots none of them uses. Here torchmetrics skips those imports: its own flags for the
+packages read False. Nothing else changes: the packages stay importable (lightning_pin's figures import
+matplotlib themselves), and lightning_pin's code is the same as in any other process.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-#: torchmetrics' availability flags that gate the imports of transformers and scipy.signal (torchmetrics 1.x).
-_FLAGS = ("_TRANSFORMERS_GREATER_EQUAL_4_4", "_SCIPI_AVAILABLE")
+#: torchmetrics' availability flags that gate the imports of transformers, scipy.signal and matplotlib
+#: (torchmetrics 1.x).
+_FLAGS = ("_TRANSFORMERS_GREATER_EQUAL_4_4", "_SCIPI_AVAILABLE", "_MATPLOTLIB_AVAILABLE")
 
 
 def _run_torchmetrics(run):
