@@ -1,4 +1,3 @@
-import contextlib
 import gc
 import os
 import warnings
@@ -15,8 +14,9 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
-# The ranks' start-up file (see LEAN_RANKS below): not a test module, and never imported by the test process.
-collect_ignore = ["lean_ranks"]
+# The start-up file of the interpreters the tests start (see LEAN_IMPORTS below): not a test module, and never
+# imported by a test process.
+collect_ignore = ["lean_imports"]
 
 # Tiny models on 2-core machines run far faster single-threaded.
 torch.set_num_threads(1)
@@ -73,6 +73,7 @@ class _GroupSuffix:
 
 def pytest_configure(config):
     config.pluginmanager.register(_GroupSuffix(), "lightning_pin_group_suffix")
+    _lean_children(config)
 
 
 @pytest.fixture(autouse=True)
@@ -80,32 +81,24 @@ def _seed():
     torch.manual_seed(0)
 
 
-#: On the PYTHONPATH of a multi-process test's ranks: their torchmetrics skips transformers and scipy.signal
-#: (tests/lean_ranks/sitecustomize.py).
-LEAN_RANKS = Path(__file__).with_name("lean_ranks")
+#: On the PYTHONPATH of every interpreter the tests start: its torchmetrics skips transformers, scipy.signal and
+#: matplotlib (tests/lean_imports/sitecustomize.py).
+LEAN_IMPORTS = Path(__file__).with_name("lean_imports")
+#: The pid whose direct children import in full: the xdist workers, which run the tests themselves.
+FULL_IMPORTS_PARENT = "LIGHTNING_PIN_TESTS_FULL_IMPORTS_PARENT"
 
 
-@contextlib.contextmanager
-def _lean_ranks():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(LEAN_RANKS), os.environ.get("PYTHONPATH")])))
-        yield
-
-
-@pytest.fixture
-def lean_ranks():
-    """The interpreters the test starts (``ddp_spawn``'s ranks, a launcher's workers) import Lightning without
-    transformers and scipy.signal, which torchmetrics imports for metrics they never use: about 1.5 CPU s less
-    each. The test's own process is unchanged (it started before)."""
-    with _lean_ranks():
-        yield
-
-
-@pytest.fixture(scope="module")
-def lean_ranks_module():
-    """:func:`lean_ranks` for a module-scoped run."""
-    with _lean_ranks():
-        yield
+def _lean_children(config) -> None:
+    """Every interpreter the tests start (an app or CLI command, a DDP rank, a launcher's worker, a doc block's
+    runner) imports Lightning without the transformers, scipy.signal and matplotlib that torchmetrics imports for
+    metrics none of them uses: about 2-3.5 CPU s less each, over a hundred of them a run. The test processes
+    themselves import in full, as a user's does: this process started before, and the xdist workers it starts
+    are its direct children, which the start-up file leaves alone."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the environment came from the main process
+        return
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(LEAN_IMPORTS), os.environ.get("PYTHONPATH")]))
+    if getattr(config.option, "numprocesses", None):
+        os.environ[FULL_IMPORTS_PARENT] = str(os.getpid())
 
 
 @pytest.fixture(scope="session")

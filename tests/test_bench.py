@@ -17,11 +17,7 @@ def test_quick_benchmark_reports_every_section(tmp_path, fork_runner):
     # Forked from the process that imported torch and Lightning once (tests/fork_runner.py); the steady-malloc
     # variables already set, so that the script does not exec itself into a fresh interpreter (--smoke's timings
     # mean nothing: whether glibc reads them matters not here).
-    # tests/lean_ranks on the PYTHONPATH: the DDP ranks and peak-memory processes it starts skip torchmetrics'
-    # imports of transformers and scipy.signal (tests/conftest.py, lean_ranks).
-    lean = os.pathsep.join(filter(None, [str(Path(__file__).with_name("lean_ranks")), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36),
-           "PYTHONPATH": lean}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
     done = fork_runner.run([sys.executable, str(BENCH), "--smoke", "--json", str(out)], cwd=tmp_path, env=env,
                            timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

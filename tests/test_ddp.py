@@ -86,7 +86,7 @@ class RankRecorder(StepRecorder):
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory, lean_ranks_module):
+def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     torch.manual_seed(0)
     model = DDPNet()

@@ -21,7 +21,7 @@ VALUES = [0.25, -3.0]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory, lean_ranks_module):
+def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp_accumulate")
     torch.manual_seed(0)
     pins = [

@@ -176,7 +176,7 @@ def test_changed_bits_is_a_direct_count_of_the_stored_bits_the_faults_change(stu
         model.load_state_dict(state)
 
 
-def test_every_runner_gives_the_same_faults_and_numbers(study, tmp_path, fork_runner, lean_ranks):
+def test_every_runner_gives_the_same_faults_and_numbers(study, tmp_path, fork_runner):
     """This process, forked workers (--jobs 2), Hydra's joblib and submitit_local launchers: one (rate, seed), one
     answer."""
     ckpt = study / "baseline" / "pretrained.ckpt"

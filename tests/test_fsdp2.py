@@ -39,8 +39,9 @@ MODES = ("train", "resume", "mismatch")
 
 
 def run(out_dir: Path, modes: tuple[str, ...]) -> dict[str, list[dict]]:
-    # tests/lean_ranks: the ranks' torchmetrics skips transformers and scipy.signal (tests/conftest.py, lean_ranks).
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.with_name("lean_ranks")), str(WORKER.parent.parent)]))
+    # The repository on the path (tests/conftest.py already put tests/lean_imports there: lean ranks).
+    path = [str(WORKER.parent.parent), os.environ.get("PYTHONPATH")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
     done = subprocess.run(
         [sys.executable, str(WORKER), str(out_dir), ",".join(modes)], env=env, capture_output=True, text=True,
         timeout=300,

@@ -5,6 +5,8 @@ mask, ``index_fill_`` of zeros."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -40,7 +42,7 @@ def _grad_with_specials(numel: int, dtype: torch.dtype, seed: int) -> torch.Tens
 def test_the_dense_mask_writes_the_words_index_fill_writes(numel, fraction, dtype, seed, narrow):
     """Either mask dtype: the word width (CPU's) or int8 (CUDA's, sign-extended by the AND)."""
     generator = torch.Generator().manual_seed(seed)
-    count = max(1, min(numel, round(fraction * numel)))
+    count = max(math.ceil(sharding.DENSE_FRACTION * numel), min(numel, round(fraction * numel)))  # dense: a third on
     index = torch.randperm(numel, generator=generator)[:count].sort().values.int()
     parameter = nn.Parameter(torch.zeros(numel, dtype=dtype))
     target = Target("w", parameter, index, torch.zeros(count, dtype=dtype))

@@ -402,7 +402,7 @@ class RankResults(Callback):
 
 
 @pytest.mark.xdist_group("processes")  # one multi-process test at a time (see test_ddp.py)
-def test_metric_values_agree_across_two_ddp_ranks(tmp_path, lean_ranks):
+def test_metric_values_agree_across_two_ddp_ranks(tmp_path):
     torch.manual_seed(0)
     model = DDPValNet()
     before = copy.deepcopy(model)

@@ -76,7 +76,7 @@ def _loader():
                       batch_size=4)
 
 
-def test_ddp_spawn_neuron_pins_hold_on_both_ranks(tmp_path, lean_ranks):
+def test_ddp_spawn_neuron_pins_hold_on_both_ranks(tmp_path):
     torch.manual_seed(0)
     model = DDPCNN()
     pins = [NeuronPin("conv", channels=CHANNELS, value=0.0), NeuronPin("fc1", fraction=0.25, seed=1, value=0.5),

@@ -161,7 +161,7 @@ class RankTaskNet(TaskNet):
 
 
 @pytest.mark.xdist_group("processes")  # one multi-process test at a time (see test_ddp.py)
-def test_ddp_ranks_derive_the_same_owner_map(tmp_path, lean_ranks):
+def test_ddp_ranks_derive_the_same_owner_map(tmp_path):
     """Each rank prunes its own copy (no communication) and gets the same owner map and the same
     pins for the next task. (Holding pins under DDP: tests/test_ddp.py.)"""
     torch.manual_seed(0)

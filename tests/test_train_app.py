@@ -295,7 +295,7 @@ def test_optuna_search_without_its_plugin_is_one_line_pointing_to_lightning_pin_
 
 
 @pytest.mark.xdist_group("processes")  # one multi-process test at a time (see test_ddp.py)
-def test_ddp_sim_run_verifies_pins_from_spawned_workers(tmp_path, lean_ranks, train):
+def test_ddp_sim_run_verifies_pins_from_spawned_workers(tmp_path, train):
     # A given checkpoint skips the pretraining: one spawn of two processes instead of two.
     torch.save({"state_dict": Classifier(SmallCNN()).state_dict()}, tmp_path / "start.pt")
     result = train(

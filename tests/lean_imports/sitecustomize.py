@@ -1,6 +1,7 @@
-"""Run at start-up by the interpreters that the multi-process tests start (DDP and FSDP2 ranks, the benchmark's
-ranks and peak-memory processes, the joblib launcher's workers), never by the test process itself: the
-``lean_ranks`` fixture (tests/conftest.py) puts this directory on their ``PYTHONPATH`` while they start.
+"""Run at start-up by every interpreter that the tests start (app and CLI commands, DDP and FSDP2 ranks, the
+benchmarks' processes, the launchers' workers), never by a test process itself: tests/conftest.py puts this
+directory on the ``PYTHONPATH`` of the whole run, and the xdist workers (the main process's direct children, named
+by ``LIGHTNING_PIN_TESTS_FULL_IMPORTS_PARENT``) skip what follows.
 
 Lightning imports torchmetrics, and torchmetrics imports transformers (for BERTScore), scipy.signal (for its
 audio metrics) and matplotlib (for Metric.plot) whenever they are installed: about 2 s of CPU in every such
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 
 #: torchmetrics' availability flags that gate the imports of transformers, scipy.signal and matplotlib
@@ -58,4 +60,6 @@ class _LeanTorchmetrics(importlib.abc.MetaPathFinder):
         return spec
 
 
-sys.meta_path.insert(0, _LeanTorchmetrics())
+# The xdist workers are the main test process's direct children: they run the tests and import in full.
+if os.environ.get("LIGHTNING_PIN_TESTS_FULL_IMPORTS_PARENT") != str(os.getppid()):
+    sys.meta_path.insert(0, _LeanTorchmetrics())
