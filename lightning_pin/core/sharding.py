@@ -330,6 +330,7 @@ def keep_dtype(grad: Tensor) -> torch.dtype:
     1.5 ms against 0.55 ms with an int32 mask; the memory is that temporary's, kept)."""
     return _WORDS[grad.element_size()] if grad.device.type == "cpu" else torch.int8
 
+
 #: Index tensors of at most this many elements get an int64 copy, made once and kept as long as
 #: the index lives (8 more bytes per pinned element, at most 512 KiB per tensor): there the fixed
 #: cost of a conversion per call is what a many-small-tensors step would pay for. Larger ones are
