@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -132,14 +133,22 @@ def learnable_loader(n: int, seed: int, batch_size: int = 8) -> DataLoader:
     return DataLoader(TensorDataset(x, x[:, :3].argmax(1)), batch_size=batch_size, shuffle=False)
 
 
+class DDPRun(NamedTuple):
+    ranks: list[dict]  # what each rank recorded (RankRecorder)
+    returned: dict  # the weights ddp_spawn handed back to the test process
+    callback: PinCallback
+    model: DDPNet
+    results: list[dict]  # each rank's monitor results and synced metrics (RankResults)
+    before: DDPNet  # a copy of the model before the fit
+    val: DataLoader
+
+
 #: The run, once per test process: tests/test_monitor.py's DDP test imports the fixture below.
-_RUN: dict = {}
+_RUN: dict[str, DDPRun] = {}
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    """(per-rank records, the returned weights, the callback, the model, and for the monitor's test: the per-rank
-    monitor results, the model before the fit, the validation loader)."""
+def ddp_run(tmp_path_factory) -> DDPRun:
     if not _RUN:
         out = tmp_path_factory.mktemp("ddp")
         torch.manual_seed(0)
@@ -159,7 +168,7 @@ def ddp_run(tmp_path_factory):
         tr.fit(model, make_loader(), val)
         ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
         results = [json.loads((out / f"results{r}.json").read_text()) for r in range(2)]
-        _RUN["run"] = (ranks, snapshot(model), cb, model, results, before, val)
+        _RUN["run"] = DDPRun(ranks, snapshot(model), cb, model, results, before, val)
     return _RUN["run"]
 
 
@@ -173,7 +182,7 @@ def expected(init: dict) -> dict:
 
 
 def test_ddp_pins_exact_on_both_ranks_after_every_step(ddp_run):
-    ranks = ddp_run[0]
+    ranks = ddp_run.ranks
     for rank, data in enumerate(ranks):
         assert data["world_size"] == 2
         assert [s for s, _ in data["steps"]] == list(range(STEPS))
@@ -187,7 +196,7 @@ def test_ddp_pins_exact_on_both_ranks_after_every_step(ddp_run):
 
 def test_ddp_faults_hold_on_both_ranks_after_every_step(ddp_run):
     stuck, bounded = flat_index((16, 8), STUCK_COORDS), flat_index((16, 8), BOUNDED_COORDS)
-    for rank, data in enumerate(ddp_run[0]):
+    for rank, data in enumerate(ddp_run.ranks):
         for step, params in [*data["steps"], ("end", data["final"])]:
             bits = params["encoder.weight"].reshape(-1)[stuck].view(torch.int32)
             assert torch.equal(bits & -(2**31), torch.zeros_like(bits)), f"sign bit on rank {rank} after step {step}"
@@ -201,7 +210,7 @@ def test_ddp_faults_hold_on_both_ranks_after_every_step(ddp_run):
 
 def test_ddp_codes_hold_on_both_ranks_after_every_step(ddp_run):
     coded = flat_index((16, 8), CODE_COORDS)
-    for rank, data in enumerate(ddp_run[0]):
+    for rank, data in enumerate(ddp_run.ranks):
         for step, params in [*data["steps"], ("end", data["final"])]:
             w = params["encoder.weight"].reshape(-1)[coded]
             q = torch.round(w / 2.0**-6)
@@ -211,7 +220,7 @@ def test_ddp_codes_hold_on_both_ranks_after_every_step(ddp_run):
 
 
 def test_ddp_ranks_identical_after_every_step(ddp_run):
-    ranks, main_model = ddp_run[:2]
+    ranks, main_model = ddp_run.ranks, ddp_run.returned
     zero, one = ranks
     for name in zero["init"]:
         assert torch.equal(zero["init"][name], one["init"][name])
@@ -225,7 +234,7 @@ def test_ddp_ranks_identical_after_every_step(ddp_run):
 
 
 def test_ddp_when_pin_active_if_any_rank_asks(ddp_run):
-    ranks = ddp_run[0]
+    ranks = ddp_run.ranks
     zero, one = ranks
     hits = [a or b for a, b in zip(zero["own_hits"], one["own_hits"])]
     assert len(hits) == STEPS
@@ -245,7 +254,7 @@ def test_ddp_when_pin_active_if_any_rank_asks(ddp_run):
 
 def test_verify_in_main_process_after_ddp_spawn(ddp_run):
     """The callback in the test process never ran a hook; verify() still checks the returned weights."""
-    _, _, cb, model = ddp_run[:4]
+    cb, model = ddp_run.callback, ddp_run.model
     cb.verify(model)
     with torch.no_grad():
         old = model.encoder.weight[5, 7].clone()

@@ -370,7 +370,7 @@ def test_csv_and_tensorboard_loggers_both_receive_the_metrics(pretrained, tmp_pa
 def test_metric_values_agree_across_two_ddp_ranks(ddp_run):
     """tests/test_ddp.py's ddp_spawn run (its pins, ``PinMonitor(accuracy=True)``, a validation set, logs every 2
     steps): one run of two processes serves both modules."""
-    _, _, _, model, (zero, one), before, val = ddp_run
+    (zero, one), model, before, val = ddp_run.results, ddp_run.model, ddp_run.before, ddp_run.val
     assert zero["world_size"] == one["world_size"] == 2
     assert zero["results"] == one["results"]
     results = zero["results"]
