@@ -1,19 +1,29 @@
 """DDP on CPU with two processes (``ddp_spawn``): pins are exact after every step on both ranks, and
 the ranks stay identical. Each rank writes its snapshots to files that the test process checks.
 
-One ddp_spawn run for the whole module (module-scoped fixture): it is slow to start.
+One ddp_spawn run for the module, and for tests/test_monitor.py's check that the monitor's values agree across the
+ranks (the run has a validation set and ``PinMonitor(accuracy=True)``): two interpreters importing torch and
+Lightning cost several CPU seconds, the eight steps a fraction of one.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import StepRecorder, TinyNet, check_pins, flat_index, make_loader, snapshot, trainer
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pin import Pin, PinCallback, PinError, QuantCode
+from lightning_pin import Pin, PinCallback, PinError, PinMonitor, QuantCode
+from lightning_pin.callbacks.metrics import PinDrift, PinViolations, WeightDrift
+from lightning_pin.core.engine import StepStats
 from lightning_pin.core.plan import fraction_indices
 
 # Under pytest-xdist (make test) every test that starts several processes runs on one worker, one at a time:
@@ -48,6 +58,11 @@ def ddp_pins() -> list[Pin]:
 
 
 class DDPNet(TinyNet):
+    def validation_step(self, batch, batch_idx):
+        # Logs only: the monitor runs the model on the validation set itself.
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
     def teardown(self, stage):
         # Called after the callbacks' teardown (the recorder has written its file by now).
         if dist.is_available() and dist.is_initialized():
@@ -85,22 +100,76 @@ class RankRecorder(StepRecorder):
         )
 
 
+class RankResults(Callback):
+    """Writes this rank's monitor results, and metrics fed with rank-dependent values, to a file
+    (for tests/test_monitor.py)."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module):
+        monitor = next(cb for cb in trainer.callbacks if isinstance(cb, PinCallback)).monitor
+        rank = trainer.global_rank
+        drift = PinDrift()
+        stats = StepStats(torch.tensor(rank + 1.0), torch.tensor(4.0 * (rank + 1)), 2 * (rank + 1), torch.tensor(0))
+        drift.update(stats)
+        violations = PinViolations()
+        violations.update(torch.tensor(3 * rank))
+        weights = WeightDrift(["net"])
+        weights.update(torch.tensor([8.0 + 2.0 * rank]), torch.tensor([36.0]))  # replicas: mean
+        synced = {
+            "drift": {k: v.item() for k, v in drift.compute().items()},
+            "violations": violations.compute().item(),
+            "weight_drift": {k: v.reshape(-1).tolist() for k, v in weights.compute().items()},
+        }
+        path = Path(self.out_dir) / f"results{rank}.json"
+        path.write_text(json.dumps({"world_size": trainer.world_size, "results": monitor.results(), "synced": synced}))
+
+
+def learnable_loader(n: int, seed: int, batch_size: int = 8) -> DataLoader:
+    """Labels are the argmax of the first three features (the monitor's validation set)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return DataLoader(TensorDataset(x, x[:, :3].argmax(1)), batch_size=batch_size, shuffle=False)
+
+
+class DDPRun(NamedTuple):
+    ranks: list[dict]  # what each rank recorded (RankRecorder)
+    returned: dict  # the weights ddp_spawn handed back to the test process
+    callback: PinCallback
+    model: DDPNet
+    results: list[dict]  # each rank's monitor results and synced metrics (RankResults)
+    before: DDPNet  # a copy of the model before the fit
+    val: DataLoader
+
+
+#: The run, once per test process: tests/test_monitor.py's DDP test imports the fixture below.
+_RUN: dict[str, DDPRun] = {}
+
+
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    torch.manual_seed(0)
-    model = DDPNet()
-    cb = PinCallback(ddp_pins(), verbose=False)
-    tr = trainer(
-        strategy="ddp_spawn",
-        accelerator="cpu",
-        devices=2,
-        max_epochs=2,
-        callbacks=[cb, RankRecorder(str(out))],
-    )
-    tr.fit(model, make_loader())
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    return ranks, snapshot(model), cb, model
+def ddp_run(tmp_path_factory) -> DDPRun:
+    if not _RUN:
+        out = tmp_path_factory.mktemp("ddp")
+        torch.manual_seed(0)
+        model = DDPNet()
+        before = copy.deepcopy(model)
+        # 64 training samples (32 per rank, 4 steps per epoch); 32 validation samples, 16 per rank.
+        val = learnable_loader(32, seed=2)
+        cb = PinCallback(ddp_pins(), verbose=False, monitor=PinMonitor(accuracy=True))
+        tr = trainer(
+            strategy="ddp_spawn",
+            accelerator="cpu",
+            devices=2,
+            max_epochs=2,
+            log_every_n_steps=2,
+            callbacks=[cb, RankRecorder(str(out)), RankResults(str(out))],
+        )
+        tr.fit(model, make_loader(), val)
+        ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+        results = [json.loads((out / f"results{r}.json").read_text()) for r in range(2)]
+        _RUN["run"] = DDPRun(ranks, snapshot(model), cb, model, results, before, val)
+    return _RUN["run"]
 
 
 def expected(init: dict) -> dict:
@@ -113,7 +182,7 @@ def expected(init: dict) -> dict:
 
 
 def test_ddp_pins_exact_on_both_ranks_after_every_step(ddp_run):
-    ranks = ddp_run[0]
+    ranks = ddp_run.ranks
     for rank, data in enumerate(ranks):
         assert data["world_size"] == 2
         assert [s for s, _ in data["steps"]] == list(range(STEPS))
@@ -127,7 +196,7 @@ def test_ddp_pins_exact_on_both_ranks_after_every_step(ddp_run):
 
 def test_ddp_faults_hold_on_both_ranks_after_every_step(ddp_run):
     stuck, bounded = flat_index((16, 8), STUCK_COORDS), flat_index((16, 8), BOUNDED_COORDS)
-    for rank, data in enumerate(ddp_run[0]):
+    for rank, data in enumerate(ddp_run.ranks):
         for step, params in [*data["steps"], ("end", data["final"])]:
             bits = params["encoder.weight"].reshape(-1)[stuck].view(torch.int32)
             assert torch.equal(bits & -(2**31), torch.zeros_like(bits)), f"sign bit on rank {rank} after step {step}"
@@ -141,7 +210,7 @@ def test_ddp_faults_hold_on_both_ranks_after_every_step(ddp_run):
 
 def test_ddp_codes_hold_on_both_ranks_after_every_step(ddp_run):
     coded = flat_index((16, 8), CODE_COORDS)
-    for rank, data in enumerate(ddp_run[0]):
+    for rank, data in enumerate(ddp_run.ranks):
         for step, params in [*data["steps"], ("end", data["final"])]:
             w = params["encoder.weight"].reshape(-1)[coded]
             q = torch.round(w / 2.0**-6)
@@ -151,7 +220,7 @@ def test_ddp_codes_hold_on_both_ranks_after_every_step(ddp_run):
 
 
 def test_ddp_ranks_identical_after_every_step(ddp_run):
-    ranks, main_model = ddp_run[:2]
+    ranks, main_model = ddp_run.ranks, ddp_run.returned
     zero, one = ranks
     for name in zero["init"]:
         assert torch.equal(zero["init"][name], one["init"][name])
@@ -165,7 +234,7 @@ def test_ddp_ranks_identical_after_every_step(ddp_run):
 
 
 def test_ddp_when_pin_active_if_any_rank_asks(ddp_run):
-    ranks = ddp_run[0]
+    ranks = ddp_run.ranks
     zero, one = ranks
     hits = [a or b for a, b in zip(zero["own_hits"], one["own_hits"])]
     assert len(hits) == STEPS
@@ -185,7 +254,7 @@ def test_ddp_when_pin_active_if_any_rank_asks(ddp_run):
 
 def test_verify_in_main_process_after_ddp_spawn(ddp_run):
     """The callback in the test process never ran a hook; verify() still checks the returned weights."""
-    _, _, cb, model = ddp_run
+    cb, model = ddp_run.callback, ddp_run.model
     cb.verify(model)
     with torch.no_grad():
         old = model.encoder.weight[5, 7].clone()

@@ -3,13 +3,14 @@ bounds held) on every rank's shards after every step, resume from a distributed 
 
 The runs live in tests/fsdp2_worker.py: ModelParallelStrategy launches its second rank by
 re-running the command, so the runs are a subprocess of their own: all three modes, one after the other, in
-one pair of processes (a start-up of two interpreters costs more than the runs).
+one pair of processes (a start-up of two interpreters costs more than the runs). Rank 0 is forked from the fork
+runner's server (tests/fork_runner.py), which has torch and Lightning imported already; rank 1, the command re-run,
+is a fresh interpreter.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,21 +39,19 @@ def assert_faults_hold(params: dict, where: str) -> None:
 MODES = ("train", "resume", "mismatch")
 
 
-def run(out_dir: Path, modes: tuple[str, ...]) -> dict[str, list[dict]]:
+def run(out_dir: Path, modes: tuple[str, ...], fork_runner) -> dict[str, list[dict]]:
     # The repository on the path (tests/conftest.py already put tests/lean_imports there: lean ranks).
     path = [str(WORKER.parent.parent), os.environ.get("PYTHONPATH")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
-    done = subprocess.run(
-        [sys.executable, str(WORKER), str(out_dir), ",".join(modes)], env=env, capture_output=True, text=True,
-        timeout=300,
-    )
+    done = fork_runner.run([sys.executable, str(WORKER), str(out_dir), ",".join(modes)], cwd=out_dir, env=env,
+                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return {mode: [torch.load(out_dir / f"{mode}-rank{r}.pt", weights_only=True) for r in (0, 1)] for mode in modes}
 
 
 @pytest.fixture(scope="module")
-def all_runs(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("fsdp2"), MODES)
+def all_runs(tmp_path_factory, fork_runner):
+    return run(tmp_path_factory.mktemp("fsdp2"), MODES, fork_runner)
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,16 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import TinyNet, trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
+from test_ddp import ddp_run  # noqa: F401  (the fixture: its one ddp_spawn run also serves the DDP test here)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.regression import MeanSquaredError
 
 from lightning_pin import AccuracyGapError, Pin, PinCallback, PinMonitor
-from lightning_pin.core.engine import StepStats
-from lightning_pin.callbacks.metrics import PinDrift, PinViolations, WeightDrift
 
 
 class MemoryLogger(Logger):
@@ -368,60 +366,15 @@ def test_csv_and_tensorboard_loggers_both_receive_the_metrics(pretrained, tmp_pa
 # Two DDP ranks
 
 
-class DDPValNet(ValNet):
-    def teardown(self, stage):
-        # After the callbacks' teardown: the recorder has written its file by now.
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-
-
-class RankResults(Callback):
-    """Writes this rank's monitor results, and metrics fed with rank-dependent values, to a file."""
-
-    def __init__(self, out_dir: str):
-        self.out_dir = out_dir
-
-    def on_train_end(self, trainer, pl_module):
-        monitor = next(cb for cb in trainer.callbacks if isinstance(cb, PinCallback)).monitor
-        rank = trainer.global_rank
-        drift = PinDrift()
-        stats = StepStats(torch.tensor(rank + 1.0), torch.tensor(4.0 * (rank + 1)), 2 * (rank + 1), torch.tensor(0))
-        drift.update(stats)
-        violations = PinViolations()
-        violations.update(torch.tensor(3 * rank))
-        weights = WeightDrift(["net"])
-        weights.update(torch.tensor([8.0 + 2.0 * rank]), torch.tensor([36.0]))  # replicas: mean
-        synced = {
-            "drift": {k: v.item() for k, v in drift.compute().items()},
-            "violations": violations.compute().item(),
-            "weight_drift": {k: v.reshape(-1).tolist() for k, v in weights.compute().items()},
-        }
-        path = Path(self.out_dir) / f"rank{rank}.json"
-        path.write_text(json.dumps({"world_size": trainer.world_size, "results": monitor.results(), "synced": synced}))
-
-
-@pytest.mark.xdist_group("processes")  # one multi-process test at a time (see test_ddp.py)
-def test_metric_values_agree_across_two_ddp_ranks(tmp_path):
-    torch.manual_seed(0)
-    model = DDPValNet()
-    before = copy.deepcopy(model)
-    # 64 training samples (32 per rank, 4 steps per epoch); 32 validation samples, 16 per rank.
-    train, val = learnable_loader(64, seed=1, batch_size=8), learnable_loader(32, seed=2, batch_size=8)
-    pins = [Pin("encoder.weight", indices=[(0, 0), (3, 5)], value=[0.5, -0.25]), Pin("head.bias")]
-    cb = PinCallback(pins, verbose=False, monitor=PinMonitor(accuracy=True))
-    tr = trainer(
-        strategy="ddp_spawn",
-        devices=2,
-        max_epochs=2,
-        log_every_n_steps=2,
-        callbacks=[cb, RankResults(str(tmp_path))],
-    )
-    tr.fit(model, train, val)
-    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+@pytest.mark.xdist_group("processes")  # the run of tests/test_ddp.py, on the worker that runs the group
+def test_metric_values_agree_across_two_ddp_ranks(ddp_run):
+    """tests/test_ddp.py's ddp_spawn run (its pins, ``PinMonitor(accuracy=True)``, a validation set, logs every 2
+    steps): one run of two processes serves both modules."""
+    (zero, one), model, before, val = ddp_run.results, ddp_run.model, ddp_run.before, ddp_run.val
     assert zero["world_size"] == one["world_size"] == 2
     assert zero["results"] == one["results"]
     results = zero["results"]
+    # 64 training samples (32 per rank, 4 steps per epoch); 32 validation samples, 16 per rank.
     assert [s for s in results["history"]["pin_drift"]["step"]] == [2, 4, 6, 8]
     assert results["history"]["accuracy"]["step"] == [0, 4, 8]
     # Each rank saw half of the validation data: the synced values are the whole set's.

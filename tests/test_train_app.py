@@ -296,10 +296,12 @@ def test_optuna_search_without_its_plugin_is_one_line_pointing_to_lightning_pin_
 
 @pytest.mark.xdist_group("processes")  # one multi-process test at a time (see test_ddp.py)
 def test_ddp_sim_run_verifies_pins_from_spawned_workers(tmp_path, train):
-    # A given checkpoint skips the pretraining: one spawn of two processes instead of two.
+    # A given checkpoint skips the pretraining: one spawn of two processes instead of two. The synthetic data (shaped
+    # like the digits, for the same model) spare the app and each rank scikit-learn's import and a bigger set.
     torch.save({"state_dict": Classifier(SmallCNN()).state_dict()}, tmp_path / "start.pt")
     result = train(
-        *TINY, "trainer=ddp_sim", "pin=elements", "ckpt_path=start.pt", f"hydra.run.dir={tmp_path}", cwd=tmp_path
+        *TINY, "trainer=ddp_sim", "pin=elements", "ckpt_path=start.pt", "data=synthetic", "data.num_samples=256",
+        f"hydra.run.dir={tmp_path}", cwd=tmp_path,
     )
     assert result.returncode == 0, result.output
     summary = json.loads((tmp_path / "run_summary.json").read_text())
