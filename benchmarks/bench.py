@@ -133,9 +133,22 @@ def fit_times(model: MLP, callbacks: list[L.Callback], data: DataLoader, warmup:
     return statistics.median(end.times[warmup:]), statistics.median(end.cpu_times[warmup:])
 
 
-def ddp_step_ratio(width: int, rounds: int, steps: int, warmup: int) -> float:
-    """Step time of 1%-pinned over unpinned DDP (ddp_spawn, 2 CPU processes), interleaved."""
+def ddp_step_ratio(width: int, rounds: int, steps: int, warmup: int, start_method: str = "spawn") -> float:
+    """Step time of 1%-pinned over unpinned DDP (ddp_spawn, 2 CPU processes), interleaved.
+
+    ``start_method="forkserver"`` (--smoke): the ranks fork from one server process that imported
+    torch, Lightning and lightning_pin once, instead of each rank of each fit starting an interpreter
+    that imports them (seconds of CPU each); the model and callbacks still go to the ranks pickled,
+    and each rank still runs this script as ``__mp_main__``, as under spawn."""
+    import multiprocessing
     import tempfile
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if start_method == "forkserver":
+        # Named: Python's own preload of __main__ into the server never happens (up to 3.12 it looks for a
+        # key get_preparation_data() does not write), and each rank would import everything itself.
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["lightning", "lightning_pin"])
 
     ratios = []
     for _ in range(rounds):
@@ -148,7 +161,7 @@ def ddp_step_ratio(width: int, rounds: int, steps: int, warmup: int) -> float:
             trainer = L.Trainer(
                 accelerator="cpu",
                 devices=2,
-                strategy="ddp_spawn",
+                strategy="ddp_spawn" if start_method == "spawn" else DDPStrategy(start_method=start_method),
                 max_epochs=1,
                 callbacks=[start, *setup(model), StepEnd(start, out)],
                 logger=False,
@@ -378,31 +391,37 @@ def step_buffer_bytes(callback: PinCallback) -> int:
     return sum(stored.values())
 
 
-def peak_rss_mb(width: int, cases: list[str], steps: int, together: bool = False) -> dict[str, float]:
-    """Peak RSS of a fresh process per case that trains ``steps`` steps of it; ``together`` starts
-    them all at once (each peak is its own process's: --smoke saves the imports' wall time).
+def peak_rss_mb(width: int, cases: list[str], steps: int, one_process: bool = False) -> dict[str, float]:
+    """Peak RSS of a fresh process per case that trains ``steps`` steps of it. ``one_process`` (--smoke)
+    trains the cases one after the other in a single fresh process, the peak reset to the current
+    RSS before each case after the first: one interpreter start-up instead of one per case, and
+    figures that mean nothing (the last case's peak includes what the first left behind).
 
     Read from /proc (VmHWM): ``ru_maxrss`` would carry the parent's peak across fork + exec.
     """
-    def start(case: str) -> subprocess.Popen:
+    def start(group: list[str]) -> subprocess.Popen:
         code = (
-            "import sys, torch; sys.path.insert(0, %r); import bench;"
-            "torch.set_num_threads(2); m = bench.MLP(%d); cbs = bench.CASES_BY_NAME[%r](m);"
-            "bench.timed_fit(m, cbs, bench.loader(%d, %d), 0);"
-            "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
-        ) % (os.path.dirname(os.path.abspath(__file__)), width, case, width, steps)
+            "import sys, torch; sys.path.insert(0, %r); import bench; torch.set_num_threads(2)\n"
+            "for i, case in enumerate(%r):\n"
+            # 5: the peak RSS becomes the current RSS (Linux >= 4.0)
+            "    i and open('/proc/self/clear_refs', 'w').write('5')\n"
+            "    m = bench.MLP(%d); cbs = bench.CASES_BY_NAME[case](m)\n"
+            "    bench.timed_fit(m, cbs, bench.loader(%d, %d), 0)\n"
+            "    print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].strip(), flush=True)\n"
+        ) % (os.path.dirname(os.path.abspath(__file__)), group, width, width, steps)
         return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def read(process: subprocess.Popen) -> float:
+    def read(process: subprocess.Popen, count: int) -> list[float]:
         out, err = process.communicate()
         if process.returncode:
             raise subprocess.CalledProcessError(process.returncode, process.args, out, err)
-        return int(out.strip().splitlines()[-1]) / 1024
+        peaks = [int(line.split()[1]) / 1024 for line in out.splitlines() if line.startswith("VmHWM:")]
+        assert len(peaks) == count, out
+        return peaks
 
-    if together:
-        processes = {case: start(case) for case in cases}
-        return {case: read(process) for case, process in processes.items()}
-    return {case: read(start(case)) for case in cases}
+    if one_process:
+        return dict(zip(cases, read(start(cases), len(cases))))
+    return {case: read(start([case]), 1)[0] for case in cases}
 
 
 CASES_BY_NAME: dict[str, Callable[[MLP], list[L.Callback]]] = {
@@ -851,7 +870,7 @@ def main() -> None:
             f"+ {wide:.2f} for int64 copies of the indices (tensors with at most 65,536 pinned elements)"
         )
     rss_cases = ["unpinned", "pinned 1%"] if quick else list(CASES_BY_NAME)
-    rss = peak_rss_mb(width, rss_cases, 4, together=smoke)
+    rss = peak_rss_mb(width, rss_cases, 4, one_process=smoke)
     results["peak_rss_mb"] = rss
     for name, mb in rss.items():
         print(f"  peak RSS {name:<24} {mb:8.1f} MB  ({mb / rss['unpinned']:.3f} x unpinned)")
@@ -882,7 +901,8 @@ def main() -> None:
     print("\nDDP, 2 CPU processes (ddp_spawn, one thread each): step time at 1% pinned / unpinned")
     ddp_width = width if smoke else 400 if quick else 1000
     ddp_steps, ddp_warmup = (steps, warmup) if smoke else (8, 2) if quick else (16, 2)
-    ddp_ratio = ddp_step_ratio(ddp_width, 1 if quick else 3, ddp_steps, ddp_warmup)
+    ddp_ratio = ddp_step_ratio(ddp_width, 1 if quick else 3, ddp_steps, ddp_warmup,
+                               start_method="forkserver" if smoke else "spawn")
     results["ddp_step_time_ratio"] = ddp_ratio
     print(f"  {4 * (ddp_width * ddp_width + ddp_width) / 1e6:.1f}M parameters: {ddp_ratio:.3f}")
     if args.json:
