@@ -136,19 +136,16 @@ def fit_times(model: MLP, callbacks: list[L.Callback], data: DataLoader, warmup:
 def ddp_step_ratio(width: int, rounds: int, steps: int, warmup: int, start_method: str = "spawn") -> float:
     """Step time of 1%-pinned over unpinned DDP (ddp_spawn, 2 CPU processes), interleaved.
 
-    ``start_method="forkserver"`` (--smoke): the ranks fork from one server process that imported
-    torch, Lightning and lightning_pin once, instead of each rank of each fit starting an interpreter
+    ``start_method="forkserver"`` (--smoke): the ranks fork from :func:`forkserver`'s server, which
+    imported Lightning and lightning_pin once, instead of each rank of each fit starting an interpreter
     that imports them (seconds of CPU each); the model and callbacks still go to the ranks pickled,
     and each rank still runs this script as ``__mp_main__``, as under spawn."""
-    import multiprocessing
     import tempfile
 
     from lightning.pytorch.strategies import DDPStrategy
 
     if start_method == "forkserver":
-        # Named: Python's own preload of __main__ into the server never happens (up to 3.12 it looks for a
-        # key get_preparation_data() does not write), and each rank would import everything itself.
-        multiprocessing.get_context("forkserver").set_forkserver_preload(["lightning", "lightning_pin"])
+        forkserver()  # its preload, before the first fork
 
     ratios = []
     for _ in range(rounds):
@@ -391,37 +388,56 @@ def step_buffer_bytes(callback: PinCallback) -> int:
     return sum(stored.values())
 
 
-def peak_rss_mb(width: int, cases: list[str], steps: int, one_process: bool = False) -> dict[str, float]:
-    """Peak RSS of a fresh process per case that trains ``steps`` steps of it. ``one_process`` (--smoke)
-    trains the cases one after the other in a single fresh process, the peak reset to the current
-    RSS before each case after the first: one interpreter start-up instead of one per case, and
-    figures that mean nothing (the last case's peak includes what the first left behind).
+def peak_rss_mb(width: int, cases: list[str], steps: int, forked: bool = False) -> dict[str, float]:
+    """Peak RSS of a fresh process per case that trains ``steps`` steps of it. ``forked`` (--smoke) trains
+    the cases one after the other in one process forked from :func:`forkserver`'s server, the peak reset
+    before each: no interpreter start-up, and figures that mean nothing (each peak counts the server's
+    imports and what the cases before left behind).
 
     Read from /proc (VmHWM): ``ru_maxrss`` would carry the parent's peak across fork + exec.
     """
-    def start(group: list[str]) -> subprocess.Popen:
-        code = (
-            "import sys, torch; sys.path.insert(0, %r); import bench; torch.set_num_threads(2)\n"
-            "for i, case in enumerate(%r):\n"
-            # 5: the peak RSS becomes the current RSS (Linux >= 4.0)
-            "    i and open('/proc/self/clear_refs', 'w').write('5')\n"
-            "    m = bench.MLP(%d); cbs = bench.CASES_BY_NAME[case](m)\n"
-            "    bench.timed_fit(m, cbs, bench.loader(%d, %d), 0)\n"
-            "    print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].strip(), flush=True)\n"
-        ) % (os.path.dirname(os.path.abspath(__file__)), group, width, width, steps)
-        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if forked:
+        from concurrent.futures import ProcessPoolExecutor
 
-    def read(process: subprocess.Popen, count: int) -> list[float]:
-        out, err = process.communicate()
-        if process.returncode:
-            raise subprocess.CalledProcessError(process.returncode, process.args, out, err)
-        peaks = [int(line.split()[1]) / 1024 for line in out.splitlines() if line.startswith("VmHWM:")]
-        assert len(peaks) == count, out
-        return peaks
+        with ProcessPoolExecutor(1, mp_context=forkserver()) as pool:
+            return dict(zip(cases, pool.submit(fit_peaks, width, cases, steps, True).result()))
 
-    if one_process:
-        return dict(zip(cases, read(start(cases), len(cases))))
-    return {case: read(start([case]), 1)[0] for case in cases}
+    def run(case: str) -> float:
+        code = "import sys; sys.path.insert(0, %r); import bench; print('peaks', *bench.fit_peaks(%d, [%r], %d))" % (
+            os.path.dirname(os.path.abspath(__file__)), width, case, steps)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        return float(next(line for line in done.stdout.splitlines() if line.startswith("peaks ")).split()[1])
+
+    return {case: run(case) for case in cases}
+
+
+def fit_peaks(width: int, cases: list[str], steps: int, reset_first: bool = False) -> list[float]:
+    """Fit each case ``steps`` steps in turn (two threads); after each, this process's peak RSS in MB since
+    the peak was last reset to the current RSS (writing 5 to /proc/self/clear_refs, Linux >= 4.0): before each
+    case but the first, and before the first too with ``reset_first`` (a forked process has its parent's)."""
+    torch.set_num_threads(2)
+    peaks = []
+    for i, case in enumerate(cases):
+        if i or reset_first:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
+        model = MLP(width)
+        timed_fit(model, CASES_BY_NAME[case](model), loader(width, steps), 0)
+        with open("/proc/self/status") as handle:
+            peaks.append(int(next(line for line in handle if line.startswith("VmHWM")).split()[1]) / 1024)
+    return peaks
+
+
+def forkserver() -> Any:
+    """The forkserver context, its server preloaded with Lightning and lightning_pin (--smoke): processes
+    forked from it start in milliseconds, where each fresh interpreter imports them for seconds of CPU. Named:
+    Python's own preload of ``__main__`` into the server never happens (up to 3.12 it looks for a key that
+    ``get_preparation_data()`` does not write), and each child would import everything itself."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["lightning", "lightning_pin"])
+    return context
 
 
 CASES_BY_NAME: dict[str, Callable[[MLP], list[L.Callback]]] = {
@@ -870,7 +886,7 @@ def main() -> None:
             f"+ {wide:.2f} for int64 copies of the indices (tensors with at most 65,536 pinned elements)"
         )
     rss_cases = ["unpinned", "pinned 1%"] if quick else list(CASES_BY_NAME)
-    rss = peak_rss_mb(width, rss_cases, 4, one_process=smoke)
+    rss = peak_rss_mb(width, rss_cases, 4, forked=smoke)
     results["peak_rss_mb"] = rss
     for name, mb in rss.items():
         print(f"  peak RSS {name:<24} {mb:8.1f} MB  ({mb / rss['unpinned']:.3f} x unpinned)")
