@@ -133,9 +133,19 @@ def fit_times(model: MLP, callbacks: list[L.Callback], data: DataLoader, warmup:
     return statistics.median(end.times[warmup:]), statistics.median(end.cpu_times[warmup:])
 
 
-def ddp_step_ratio(width: int, rounds: int, steps: int, warmup: int) -> float:
-    """Step time of 1%-pinned over unpinned DDP (ddp_spawn, 2 CPU processes), interleaved."""
+def ddp_step_ratio(width: int, rounds: int, steps: int, warmup: int, start_method: str = "spawn") -> float:
+    """Step time of 1%-pinned over unpinned DDP (ddp_spawn, 2 CPU processes), interleaved.
+
+    ``start_method="forkserver"`` (--smoke): the ranks fork from :func:`forkserver`'s server, which
+    imported Lightning and lightning_pin once, instead of each rank of each fit starting an interpreter
+    that imports them (seconds of CPU each); the model and callbacks still go to the ranks pickled,
+    and each rank still runs this script as ``__mp_main__``, as under spawn."""
     import tempfile
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if start_method == "forkserver":
+        forkserver()  # its preload, before the first fork
 
     ratios = []
     for _ in range(rounds):
@@ -148,7 +158,7 @@ def ddp_step_ratio(width: int, rounds: int, steps: int, warmup: int) -> float:
             trainer = L.Trainer(
                 accelerator="cpu",
                 devices=2,
-                strategy="ddp_spawn",
+                strategy="ddp_spawn" if start_method == "spawn" else DDPStrategy(start_method=start_method),
                 max_epochs=1,
                 callbacks=[start, *setup(model), StepEnd(start, out)],
                 logger=False,
@@ -378,31 +388,56 @@ def step_buffer_bytes(callback: PinCallback) -> int:
     return sum(stored.values())
 
 
-def peak_rss_mb(width: int, cases: list[str], steps: int, together: bool = False) -> dict[str, float]:
-    """Peak RSS of a fresh process per case that trains ``steps`` steps of it; ``together`` starts
-    them all at once (each peak is its own process's: --smoke saves the imports' wall time).
+def peak_rss_mb(width: int, cases: list[str], steps: int, forked: bool = False) -> dict[str, float]:
+    """Peak RSS of a fresh process per case that trains ``steps`` steps of it. ``forked`` (--smoke) trains
+    the cases one after the other in one process forked from :func:`forkserver`'s server, the peak reset
+    before each: no interpreter start-up, and figures that mean nothing (each peak counts the server's
+    imports and what the cases before left behind).
 
     Read from /proc (VmHWM): ``ru_maxrss`` would carry the parent's peak across fork + exec.
     """
-    def start(case: str) -> subprocess.Popen:
-        code = (
-            "import sys, torch; sys.path.insert(0, %r); import bench;"
-            "torch.set_num_threads(2); m = bench.MLP(%d); cbs = bench.CASES_BY_NAME[%r](m);"
-            "bench.timed_fit(m, cbs, bench.loader(%d, %d), 0);"
-            "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
-        ) % (os.path.dirname(os.path.abspath(__file__)), width, case, width, steps)
-        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if forked:
+        from concurrent.futures import ProcessPoolExecutor
 
-    def read(process: subprocess.Popen) -> float:
-        out, err = process.communicate()
-        if process.returncode:
-            raise subprocess.CalledProcessError(process.returncode, process.args, out, err)
-        return int(out.strip().splitlines()[-1]) / 1024
+        with ProcessPoolExecutor(1, mp_context=forkserver()) as pool:
+            return dict(zip(cases, pool.submit(fit_peaks, width, cases, steps, True).result()))
 
-    if together:
-        processes = {case: start(case) for case in cases}
-        return {case: read(process) for case, process in processes.items()}
-    return {case: read(start(case)) for case in cases}
+    def run(case: str) -> float:
+        code = "import sys; sys.path.insert(0, %r); import bench; print('peaks', *bench.fit_peaks(%d, [%r], %d))" % (
+            os.path.dirname(os.path.abspath(__file__)), width, case, steps)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        return float(next(line for line in done.stdout.splitlines() if line.startswith("peaks ")).split()[1])
+
+    return {case: run(case) for case in cases}
+
+
+def fit_peaks(width: int, cases: list[str], steps: int, reset_first: bool = False) -> list[float]:
+    """Fit each case ``steps`` steps in turn (two threads); after each, this process's peak RSS in MB since
+    the peak was last reset to the current RSS (writing 5 to /proc/self/clear_refs, Linux >= 4.0): before each
+    case but the first, and before the first too with ``reset_first`` (a forked process has its parent's)."""
+    torch.set_num_threads(2)
+    peaks = []
+    for i, case in enumerate(cases):
+        if i or reset_first:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
+        model = MLP(width)
+        timed_fit(model, CASES_BY_NAME[case](model), loader(width, steps), 0)
+        with open("/proc/self/status") as handle:
+            peaks.append(int(next(line for line in handle if line.startswith("VmHWM")).split()[1]) / 1024)
+    return peaks
+
+
+def forkserver() -> Any:
+    """The forkserver context, its server preloaded with Lightning and lightning_pin (--smoke): processes
+    forked from it start in milliseconds, where each fresh interpreter imports them for seconds of CPU. Named:
+    Python's own preload of ``__main__`` into the server never happens (up to 3.12 it looks for a key that
+    ``get_preparation_data()`` does not write), and each child would import everything itself."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["lightning", "lightning_pin"])
+    return context
 
 
 CASES_BY_NAME: dict[str, Callable[[MLP], list[L.Callback]]] = {
@@ -851,7 +886,7 @@ def main() -> None:
             f"+ {wide:.2f} for int64 copies of the indices (tensors with at most 65,536 pinned elements)"
         )
     rss_cases = ["unpinned", "pinned 1%"] if quick else list(CASES_BY_NAME)
-    rss = peak_rss_mb(width, rss_cases, 4, together=smoke)
+    rss = peak_rss_mb(width, rss_cases, 4, forked=smoke)
     results["peak_rss_mb"] = rss
     for name, mb in rss.items():
         print(f"  peak RSS {name:<24} {mb:8.1f} MB  ({mb / rss['unpinned']:.3f} x unpinned)")
@@ -882,7 +917,8 @@ def main() -> None:
     print("\nDDP, 2 CPU processes (ddp_spawn, one thread each): step time at 1% pinned / unpinned")
     ddp_width = width if smoke else 400 if quick else 1000
     ddp_steps, ddp_warmup = (steps, warmup) if smoke else (8, 2) if quick else (16, 2)
-    ddp_ratio = ddp_step_ratio(ddp_width, 1 if quick else 3, ddp_steps, ddp_warmup)
+    ddp_ratio = ddp_step_ratio(ddp_width, 1 if quick else 3, ddp_steps, ddp_warmup,
+                               start_method="forkserver" if smoke else "spawn")
     results["ddp_step_time_ratio"] = ddp_ratio
     print(f"  {4 * (ddp_width * ddp_width + ddp_width) / 1e6:.1f}M parameters: {ddp_ratio:.3f}")
     if args.json:

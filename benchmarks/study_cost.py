@@ -118,16 +118,28 @@ def _quiet(call: Any) -> Any:
 
 def measure(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """The rounds' times and ratios, and the bytes kept per job (see the module's docstring)."""
+    import logging
+
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.WARNING)  # the plain fits' Trainer banners
+    sys.path.insert(0, str(HERE))  # model._target_=study_cost.SmallResNet
+    try:
+        return _measure(args, out)
+    finally:
+        # As they were: tests/test_study_cost.py runs this in a test process, whose later tests read Lightning's
+        # INFO lines (caplog).
+        sys.path.remove(str(HERE))
+        lightning_log.setLevel(level)
+
+
+def _measure(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from lightning_pin.app.compose import compose_app
     from lightning_pin.app.study import Study, run_study
     from lightning_pin.app.train import run
 
-    import logging
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the plain fits' Trainer banners
-    sys.path.insert(0, str(HERE))  # model._target_=study_cost.SmallResNet
     overrides = _overrides(args)
     cfg = compose_app([*overrides, "pin=faults", "pretrain.only=true"], (out / "baseline").resolve())
     _quiet(lambda: run(cfg))  # the baseline every round starts from, and the imports, warm

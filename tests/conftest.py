@@ -1,5 +1,9 @@
 import gc
 import os
+import platform
+import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -11,6 +15,28 @@ import pytest
 # machine: 28 s wall instead of 54 s; idle, about the same). The processes the tests start (ranks, doc-block
 # runners, app runs) inherit it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+def _compiler_builds_every_vec_isa() -> bool:
+    """Whether g++ (inductor's compiler on Linux, CXX unset) is 11 or newer: it has the intrinsics of every vector
+    ISA inductor picks on x86-64 (AVX2, AVX-512, VNNI, AMX since GCC 11)."""
+    if sys.platform != "linux" or platform.machine() != "x86_64" or os.environ.get("CXX"):
+        return False
+    compiler = shutil.which("g++")
+    try:
+        done = subprocess.run([compiler, "-dumpversion"], capture_output=True, text=True, timeout=30)
+        return int(done.stdout.split(".")[0]) >= 11
+    except (TypeError, OSError, ValueError, subprocess.SubprocessError):
+        return False
+
+
+# Inductor's first compile with an empty cache (a new user's) otherwise builds a test program per vector ISA the
+# CPU has and dlopens each in a fresh interpreter, to pick the widest the compiler builds: about 10 CPU s here
+# (three builds of ATen's vector headers). Where the compiler builds them all, the pick is the same without the
+# test (the first the CPU reports) and so is every kernel inductor writes (the same code hashes, checked). Set
+# TORCHINDUCTOR_VEC_ISA_OK yourself to override.
+if _compiler_builds_every_vec_isa():
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 import torch  # noqa: E402
 
