@@ -34,6 +34,7 @@ def _child(request: dict) -> None:
     import atexit
     import runpy
     import signal
+    import threading
     import traceback
 
     os.chdir(request["cwd"])
@@ -68,7 +69,11 @@ def _child(request: dict) -> None:
         traceback.print_exc()
         status = 1
     try:
-        atexit._run_exitfuncs()  # what the interpreter does at exit (logging's flush among them)
+        # What the interpreter does at exit: join the threads (the hook where concurrent.futures and joblib's loky
+        # executors shut their workers down, or multiprocessing's exit function would wait for them to idle out),
+        # then the atexit functions (logging's flush among them).
+        threading._shutdown()
+        atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
