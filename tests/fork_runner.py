@@ -18,6 +18,7 @@ back on stdout (``{"status"}``: the child's exit status; negative: killed by tha
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -88,6 +89,14 @@ def serve() -> None:
 
     import lightning_pin.app.train  # noqa: F401  (the app, its callbacks, reporting and torchmetrics)
     import lightning_pin.faults  # noqa: F401
+
+    # What export (torch.onnx's exporter: about a CPU second of imports) and tune (Optuna's SQLite storage) import
+    # when they run, if their extras are installed.
+    for extra in ("onnx", "onnxscript", "torch.onnx._internal.exporter._core", "optuna", "sqlalchemy", "alembic"):
+        try:
+            importlib.import_module(extra)
+        except ImportError:
+            pass
 
     import gc
 
