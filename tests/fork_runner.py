@@ -18,6 +18,7 @@ back on stdout (``{"status"}``: the child's exit status; negative: killed by tha
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -34,6 +35,7 @@ def _child(request: dict) -> None:
     import atexit
     import runpy
     import signal
+    import threading
     import traceback
 
     os.chdir(request["cwd"])
@@ -68,7 +70,11 @@ def _child(request: dict) -> None:
         traceback.print_exc()
         status = 1
     try:
-        atexit._run_exitfuncs()  # what the interpreter does at exit (logging's flush among them)
+        # What the interpreter does at exit: join the threads (the hook where concurrent.futures and joblib's loky
+        # executors shut their workers down, or multiprocessing's exit function would wait for them to idle out),
+        # then the atexit functions (logging's flush among them).
+        threading._shutdown()
+        atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -83,6 +89,14 @@ def serve() -> None:
 
     import lightning_pin.app.train  # noqa: F401  (the app, its callbacks, reporting and torchmetrics)
     import lightning_pin.faults  # noqa: F401
+
+    # What export (torch.onnx's exporter: about a CPU second of imports) and tune (Optuna's SQLite storage) import
+    # when they run, if their extras are installed.
+    for extra in ("onnx", "onnxscript", "torch.onnx._internal.exporter._core", "optuna", "sqlalchemy", "alembic"):
+        try:
+            importlib.import_module(extra)
+        except ImportError:
+            pass
 
     import gc
 

@@ -4,6 +4,7 @@ from LightningCLI."""
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 import lightning_pin
 from lightning_pin import Pin, PinCallback, PinError, PinMonitor
@@ -33,14 +34,34 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-def compose_train(tmp_path: Path, *overrides: str, hydra_config: bool = False):
+#: Each composition once per module (a fifth of a second each; several tests read the same one): a copy per call.
+_COMPOSED: dict[tuple, DictConfig] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _schemas():
+    """The app's structured configs in Hydra's ConfigStore, registered once for the module's compositions."""
     register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(
-            "train",
-            overrides=[f"paths.output_dir={tmp_path}", f"paths.work_dir={tmp_path}", *overrides],
-            return_hydra_config=hydra_config,
-        )
+    yield
+    _COMPOSED.clear()
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    """The output directory of the compositions that only read their config (shared, so they are composed once)."""
+    return tmp_path_factory.mktemp("out")
+
+
+def compose_train(directory: Path, *overrides: str, hydra_config: bool = False) -> DictConfig:
+    key = (str(directory), overrides, hydra_config)
+    if key not in _COMPOSED:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            _COMPOSED[key] = compose(
+                "train",
+                overrides=[f"paths.output_dir={directory}", f"paths.work_dir={directory}", *overrides],
+                return_hydra_config=hydra_config,
+            )
+    return copy.deepcopy(_COMPOSED[key])
 
 
 def build_model(cfg):
@@ -76,22 +97,22 @@ def test_every_group_has_its_options():
 @pytest.mark.parametrize(
     "group,option", [(group, option) for group in GROUPS for option in options(group)], ids=lambda x: str(x)
 )
-def test_every_option_composes_and_resolves(tmp_path, group, option):
+def test_every_option_composes_and_resolves(out, group, option):
     if (group, option) == ("hparams_search", "optuna"):
         # Its hydra/sweeper=optuna comes with the Hydra plugin (the optuna-sweeper extra).
         pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    cfg = compose_train(tmp_path, f"{group}={option}")
+    cfg = compose_train(out, f"{group}={option}")
     # Every interpolation resolves (the fault map path is the one required value left open).
     container = OmegaConf.to_container(cfg, resolve=True)
-    assert container["paths"]["output_dir"] == str(tmp_path)
+    assert container["paths"]["output_dir"] == str(out)
     if group == "pin" and option == "fault_map":
         assert OmegaConf.is_missing(cfg.pin, "fault_map")
     if group not in ("experiment", "hparams_search", "paths"):
         assert cfg[group] is not None
 
 
-def test_defaults_tell_the_stuck_at_fault_story(tmp_path):
-    cfg = compose_train(tmp_path)
+def test_defaults_tell_the_stuck_at_fault_story(out):
+    cfg = compose_train(out)
     assert cfg.model.backbone._target_.endswith("SmallCNN")
     assert cfg.data._target_.endswith("DigitsDataModule")
     assert cfg.pin.fraction == 0.05 and cfg.trainer.max_epochs > 0
@@ -113,8 +134,8 @@ def test_defaults_tell_the_stuck_at_fault_story(tmp_path):
 # sets (shaped for real networks) in tests/test_fake_data.py.
 @pytest.mark.parametrize("option", [o for o in options("data") if o not in ("custom", "cifar10", "fake_images",
                                                                              "fake_text")])
-def test_data_options_build_data(tmp_path, option):
-    data = instantiate(compose_train(tmp_path, f"data={option}").data, _convert_="all")
+def test_data_options_build_data(out, option):
+    data = instantiate(compose_train(out, f"data={option}").data, _convert_="all")
     data.setup()
     x, y = next(iter(data.train_dataloader()))
     assert tuple(x.shape[1:]) == (1, 8, 8) and int(y.max()) < data.num_classes == 10
@@ -123,24 +144,24 @@ def test_data_options_build_data(tmp_path, option):
 # Your own model (custom) and the torchvision recipe are built in tests/test_custom_model.py, model=hf (a config
 # of its own) in tests/test_hf_models.py.
 @pytest.mark.parametrize("option", [o for o in options("model") if o not in ("custom", "torchvision", "hf")])
-def test_model_options_build_classifiers(tmp_path, option):
-    model = build_model(compose_train(tmp_path, f"model={option}"))
+def test_model_options_build_classifiers(out, option):
+    model = build_model(compose_train(out, f"model={option}"))
     assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
     assert type(model.configure_optimizers()).__name__ == "AdamW"  # the default optimizer group
 
 
 @pytest.mark.parametrize("option", options("optimizer"))
-def test_optimizer_options_are_partials(tmp_path, option):
-    cfg = compose_train(tmp_path, f"optimizer={option}")
+def test_optimizer_options_are_partials(out, option):
+    cfg = compose_train(out, f"optimizer={option}")
     optimizer = instantiate(cfg.optimizer)(torch.nn.Linear(2, 2).parameters())
     assert isinstance(optimizer, torch.optim.Optimizer)
     assert type(optimizer).__name__.lower() == option
     assert optimizer.param_groups[0]["lr"] == cfg.optimizer.lr
 
 
-def test_pin_options_build_their_pins(tmp_path):
+def test_pin_options_build_their_pins(out, tmp_path):
     def pins_of(*overrides):
-        cfg = compose_train(tmp_path, *overrides)
+        cfg = compose_train(out, *overrides)
         model = build_model(cfg)
         pins = build_pins(cfg.pin, model)
         return model, pins, resolve(pins, model) if pins else None
@@ -167,7 +188,7 @@ def test_pin_options_build_their_pins(tmp_path):
     assert [p.when for p in pins] == ["lightning_pin.app.schedules.task_a", "lightning_pin.app.schedules.task_b"]
     assert plan.pins[0].when(None, 4) and not plan.pins[0].when(None, 5) and plan.pins[1].when(None, 5)
 
-    model = build_model(compose_train(tmp_path))
+    model = build_model(compose_train(out))
     faults = random_fault_map(model, "backbone.features.2.weight", fraction=0.1, low=-2.0, high=2.0, seed=3)
     torch.save(faults, tmp_path / "faults.pt")
     _, pins, plan = pins_of("pin=fault_map", f"pin.fault_map={tmp_path / 'faults.pt'}")
@@ -177,34 +198,34 @@ def test_pin_options_build_their_pins(tmp_path):
     assert torch.equal(selection.values, stuck[selection.index])
 
 
-def test_fault_groups_draw_what_the_generators_draw_with_rate_and_seed_overrides(tmp_path):
+def test_fault_groups_draw_what_the_generators_draw_with_rate_and_seed_overrides(out):
     from lightning_pin.faults import bit_faults, cell_faults
 
-    cfg = compose_train(tmp_path, "pin=cell_faults", "pin.rate=0.2", "pin.seed=3", "pin.sa1_fraction=0.25")
+    cfg = compose_train(out, "pin=cell_faults", "pin.rate=0.2", "pin.seed=3", "pin.sa1_fraction=0.25")
     model = build_model(cfg)
     pins = build_pins(cfg.pin, model)
     expected = cell_faults(model, "backbone.features.*.weight", 0.2, sa1_fraction=0.25, seed=3)
     assert [p.fingerprint() for p in pins] == [p.fingerprint() for p in expected] and len(pins) == 2
 
-    cfg = compose_train(tmp_path, "pin=bit_faults", "pin.rate=0.01", "pin.seed=4", "pin.bits=exponent")
+    cfg = compose_train(out, "pin=bit_faults", "pin.rate=0.01", "pin.seed=4", "pin.bits=exponent")
     pins = build_pins(cfg.pin, model)
     expected = bit_faults(model, "backbone.features.*.weight", 0.01, bits="exponent", seed=4)
     assert [p.fingerprint() for p in pins] == [p.fingerprint() for p in expected] and len(pins) == 2
-    cfg = compose_train(tmp_path, "pin=bit_faults", "pin.bits=[30,31]", "pin.params=backbone.head.weight")
+    cfg = compose_train(out, "pin=bit_faults", "pin.bits=[30,31]", "pin.params=backbone.head.weight")
     (p,) = build_pins(cfg.pin, model)
     assert p.params == "backbone.head.weight" and bool((((p.stuck_at_zero | p.stuck_at_one) & ~(3 << 30)) == 0).all())
     with pytest.raises(PinError, match="bit 40 is outside the 32-bit word"):
-        build_pins(compose_train(tmp_path, "pin=bit_faults", "pin.bits=40").pin, model)
+        build_pins(compose_train(out, "pin=bit_faults", "pin.bits=40").pin, model)
 
 
-def test_fault_map_group_reads_stuck_bits_and_bounds(tmp_path):
+def test_fault_map_group_reads_stuck_bits_and_bounds(out, tmp_path):
     from lightning_pin.faults import bit_faults, save_fault_map
 
-    model = build_model(compose_train(tmp_path))
+    model = build_model(compose_train(out))
     drawn = bit_faults(model, "backbone.features.0.weight", rate=0.05, seed=1)
     drawn.append(Pin("backbone.head.bias", indices=[1, 4], bounds=(0.0, 0.5)))
     save_fault_map(drawn, tmp_path / "chip.safetensors")
-    cfg = compose_train(tmp_path, "pin=fault_map", f"pin.fault_map={tmp_path / 'chip.safetensors'}")
+    cfg = compose_train(out, "pin=fault_map", f"pin.fault_map={tmp_path / 'chip.safetensors'}")
     pins = build_pins(cfg.pin, model)
     assert [(p.params, p.kind) for p in pins] == [("backbone.features.0.weight", "stuck_bits"),
                                                   ("backbone.head.bias", "bounds")]  # fmt: skip
@@ -218,8 +239,8 @@ def test_fault_map_group_reads_stuck_bits_and_bounds(tmp_path):
 
 
 @pytest.mark.parametrize("option", options("experiment"))
-def test_experiment_pins_resolve_on_their_model(tmp_path, option):
-    cfg = compose_train(tmp_path, f"experiment={option}")
+def test_experiment_pins_resolve_on_their_model(out, option):
+    cfg = compose_train(out, f"experiment={option}")
     if cfg.get("continual") is not None:  # its pins come from task ownership, one set per task
         from lightning_pin.app.continual import TaskIncremental
         from lightning_pin.tasks import TaskOwnership
@@ -250,32 +271,32 @@ def test_trainer_options_build_trainers(tmp_path, option):
     assert all(lg.version == "pinned" for lg in built.loggers)
 
 
-def test_gpu_trainer_asks_for_a_gpu(tmp_path):
-    cfg = compose_train(tmp_path, "trainer=gpu")
+def test_gpu_trainer_asks_for_a_gpu(out):
+    cfg = compose_train(out, "trainer=gpu")
     assert (cfg.trainer.accelerator, cfg.trainer.devices) == ("gpu", 1)
 
 
 @pytest.mark.parametrize("option", options("callbacks"))
-def test_callback_options_build_callbacks(tmp_path, option):
-    cfg = compose_train(tmp_path, f"callbacks={option}")
+def test_callback_options_build_callbacks(out, option):
+    cfg = compose_train(out, f"callbacks={option}")
     if "pin_callback" in cfg.callbacks:
         callback = build_pin_callback(cfg, [Pin("backbone.head.bias", value=0.0)])
         assert isinstance(callback, PinCallback) and isinstance(callback.monitor, PinMonitor)
-        assert callback.monitor.tracks_accuracy and callback.monitor.report_dir == str(tmp_path)
+        assert callback.monitor.tracks_accuracy and callback.monitor.report_dir == str(out)
     for name, node in cfg.callbacks.items():
         if name != "pin_callback":
             assert isinstance(instantiate(node), L.Callback)
 
 
-def test_logger_versions_per_phase(tmp_path):
-    cfg = compose_train(tmp_path, "logger=csv")
-    assert [lg.log_dir for lg in build_loggers(cfg, "pretrain")] == [str(tmp_path / "csv" / "pretrain")]
+def test_logger_versions_per_phase(out):
+    cfg = compose_train(out, "logger=csv")
+    assert [lg.log_dir for lg in build_loggers(cfg, "pretrain")] == [str(out / "csv" / "pretrain")]
 
 
-def test_optuna_search_sweeps_lr_and_fraction(tmp_path):
+def test_optuna_search_sweeps_lr_and_fraction(out):
     # hparams_search=optuna needs the Hydra plugin (the optuna-sweeper extra); `lightning-pin tune` does not.
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    cfg = compose_train(tmp_path, "hparams_search=optuna", hydra_config=True)
+    cfg = compose_train(out, "hparams_search=optuna", hydra_config=True)
     assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper")
     assert cfg.hydra.sweeper.direction == "maximize" and cfg.optimized_metric == "final"
     assert set(cfg.hydra.sweeper.params) == {"optimizer.lr", "pin.fraction"}

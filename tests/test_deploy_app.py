@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -22,28 +24,50 @@ from lightning_pin import cli  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def page_commands() -> list[str]:
+    """The command-line block of docs/how-to/deploy-int8.md (the README's "Deploying int8" before the docs site)."""
+    page = (ROOT / "docs" / "how-to" / "deploy-int8.md").read_text()
+    section = page[page.index("## From the command line"):]
+    block = re.search(r"^```bash\n(.*?)^```$", section, re.M | re.S).group(1)
+    lines = [line for line in block.splitlines() if line.startswith("lightning-pin")]
+    assert [shlex.split(line)[1] for line in lines] == ["train", "export", "check", "faults"]
+    return lines
+
+
+def page_command(line: str, cwd: Path, fork_runner) -> subprocess.CompletedProcess:
+    """One line of the page's block, run as written in ``cwd`` (train and faults made tiny)."""
+    argv = shlex.split(line)
+    if argv[1] == "train":
+        command = [sys.executable, "-m", "lightning_pin.train", *argv[2:], *TINY]
+    elif argv[1] == "faults":
+        command = [sys.executable, "-m", "lightning_pin.cli", "faults", "--rates", "0,0.05", "--seeds", "1",
+                   "--out", str(cwd / "study"), *argv[2:], *TINY]
+    else:
+        command = [sys.executable, "-m", "lightning_pin.cli", *argv[1:]]
+    return run(command, cwd=cwd, runner=fork_runner, timeout=400)
+
+
 @pytest.fixture(scope="module")
 def code_run(tmp_path_factory, fork_runner):
-    """An app run trained around stuck bits of int8 codes, exported as an int8 QDQ ONNX model."""
+    """An app run trained around stuck bits of int8 codes, exported as an int8 QDQ ONNX model: the page's own train
+    and export lines, in an empty directory (the page's test runs its other lines there after them)."""
     root = tmp_path_factory.mktemp("code_run")
-    args = [sys.executable, "-m", "lightning_pin.train", *TINY, "pin=bit_faults", "pin.code_bits=8", "pin.rate=0.01",
-            "pin.seed=1", f"hydra.run.dir={root / 'run'}"]
-    result = run(args, cwd=root, runner=fork_runner)
-    assert result.returncode == 0, result.output
-    export = run([sys.executable, "-m", "lightning_pin.cli", "export", str(root / "run"), "--to",
-                  str(root / "model.onnx"), "--int8"], cwd=root, runner=fork_runner)
-    assert export.returncode == 0, export.output
-    return root, export.output
+    train, export = page_commands()[:2]
+    result = page_command(train, root, fork_runner)
+    assert result.returncode == 0, (train, result.output)
+    result = page_command(export, root, fork_runner)
+    assert result.returncode == 0, (export, result.output)
+    return root, root / "outputs" / "int8", result.output
 
 
 def test_export_int8_writes_the_trained_codes_and_check_reads_them(code_run, capsys):
-    root, output = code_run
+    root, run_dir, output = code_run
     assert "export: 1 weight(s) without a code stay float: backbone.head.weight" in output
     graph = onnx.load(str(root / "model.onnx"))
     inits = {i.name: i for i in graph.graph.initializer}
     convs = [n for n in inits if n.startswith("backbone.features") and n.endswith("weight")]
     assert len(convs) == 2 and all(inits[n].data_type == onnx.TensorProto.INT8 for n in convs)
-    pinned = torch.load(root / "run" / "pinned.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    pinned = torch.load(run_dir / "pinned.ckpt", map_location="cpu", weights_only=True)["state_dict"]
     for name in convs:  # the stored codes are the trained weights' codes (the code pins' rounding), bit for bit
         q = torch.from_numpy(onnx.numpy_helper.to_array(inits[name]).astype("float32"))
         s = torch.from_numpy(onnx.numpy_helper.to_array(inits[f"{name}_scale"]).copy()).reshape(-1, 1, 1, 1)
@@ -51,16 +75,16 @@ def test_export_int8_writes_the_trained_codes_and_check_reads_them(code_run, cap
     session = ort.InferenceSession(str(root / "model.onnx"))
     x = torch.randn(1, 1, 8, 8)
     assert session.run(None, {session.get_inputs()[0].name: x.numpy()})[0].shape == (1, 10)
-    assert cli.main(["check", str(root / "run" / "pinned.ckpt"), str(root / "model.onnx")]) == 0
+    assert cli.main(["check", str(run_dir / "pinned.ckpt"), str(root / "model.onnx")]) == 0
     assert "pinned element(s) hold, bit for bit" in capsys.readouterr().out
 
 
 def test_check_names_an_edited_int8_code(code_run, tmp_path, capsys):
-    root, _ = code_run
+    root, run_dir, _ = code_run
     from lightning_pin.core.io import load_checkpoint
     from lightning_pin.core.state import PinState, find_pin_states
 
-    state = PinState.from_dict(next(iter(find_pin_states(load_checkpoint(root / "run" / "pinned.ckpt")).values())))
+    state = PinState.from_dict(next(iter(find_pin_states(load_checkpoint(run_dir / "pinned.ckpt")).values())))
     name, saved = next((n, s) for sel in state.pins for n, s in sel.items() if s.kind == "quant_code")
     at = int(saved.index[0])
     mask = int(saved.payload["stuck_at_zero"][0] | saved.payload["stuck_at_one"][0])
@@ -72,7 +96,7 @@ def test_check_names_an_edited_int8_code(code_run, tmp_path, capsys):
     init.CopyFrom(onnx.numpy_helper.from_array(codes, name))
     onnx.save(graph, str(tmp_path / "edited.onnx"))
     capsys.readouterr()
-    assert cli.main(["check", str(root / "run" / "pinned.ckpt"), str(tmp_path / "edited.onnx")]) == 1
+    assert cli.main(["check", str(run_dir / "pinned.ckpt"), str(tmp_path / "edited.onnx")]) == 1
     out = capsys.readouterr().out
     element = [int(c) for c in torch.unravel_index(torch.tensor(at), tuple(codes.shape))]
     assert name in out and str(element) in out and "stored code 0x" in out and "expected code 0x" in out, out
@@ -139,29 +163,15 @@ def test_without_the_extra_the_commands_name_it(tmp_path, fork_runner):
     assert all(line.startswith("PinError") and "lightning-pin[deploy]" in line for line in lines[2:]), lines
 
 
-def test_the_deploy_int8_page_commands_run_as_written(tmp_path, fork_runner):
-    """The command-line block of docs/how-to/deploy-int8.md (the README's "Deploying int8" before the docs site),
-    line by line, in an empty directory (train and faults made tiny)."""
-    import re
-    import shlex
-
-    page = (ROOT / "docs" / "how-to" / "deploy-int8.md").read_text()
-    section = page[page.index("## From the command line"):]
-    block = re.search(r"^```bash\n(.*?)^```$", section, re.M | re.S).group(1)
-    lines = [line for line in block.splitlines() if line.startswith("lightning-pin")]
-    assert [shlex.split(line)[1] for line in lines] == ["train", "export", "check", "faults"]
-    for line in lines:
-        argv = shlex.split(line)
-        if argv[1] == "train":
-            command = [sys.executable, "-m", "lightning_pin.train", *argv[2:], *TINY]
-        elif argv[1] == "faults":
-            command = [sys.executable, "-m", "lightning_pin.cli", "faults", "--rates", "0,0.05", "--seeds", "1",
-                       "--out", str(tmp_path / "study"), *argv[2:], *TINY]
-        else:
-            command = [sys.executable, "-m", "lightning_pin.cli", *argv[1:]]
-        result = run(command, cwd=tmp_path, runner=fork_runner, timeout=400)
+def test_the_deploy_int8_page_commands_run_as_written(code_run, fork_runner):
+    """The page's block line by line in an empty directory: train and export are the module's run, then check and
+    faults."""
+    root, run_dir, _ = code_run
+    for line in page_commands()[2:]:
+        result = page_command(line, root, fork_runner)
         assert result.returncode == 0, (line, result.output)
-    assert (tmp_path / "model.onnx").is_file() and (tmp_path / "study" / "fault_curve.csv").is_file()
+    assert (root / "model.onnx").is_file() and (root / "study" / "fault_curve.csv").is_file()
+    assert (run_dir / "pinned.ckpt").is_file()
 
 
 def test_the_contract_command_as_given_runs_on_the_default_model(tmp_path, fork_runner):

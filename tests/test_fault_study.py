@@ -5,8 +5,8 @@ sensitivity, ``--no-retrain`` and ``--kind flip`` campaigns, ``changed_bits``, p
 exiting 2 with one line before any work.
 
 The study runs its jobs in the test's own process (``--jobs 1``) or in workers it forks (``--jobs 2``). The
-launcher tests start the multirun child on tests/fork_runner.py (imports done once, :func:`forked_jobs`), except
-joblib, whose loky workers are fresh interpreters as they are for a user."""
+launcher tests start the multirun child on tests/fork_runner.py (imports done once, :func:`forked_jobs`); the jobs
+of joblib (its loky workers) and submitit_local are fresh interpreters, as they are for a user."""
 
 from __future__ import annotations
 
@@ -181,17 +181,17 @@ def test_every_runner_gives_the_same_faults_and_numbers(study, tmp_path, fork_ru
     answer."""
     ckpt = study / "baseline" / "pretrained.ckpt"
     expected = numbers(rows(study)[2:])
-    # submitit_local starts a fresh interpreter per job (seconds of imports each): one job, seed 0; the two
-    # workers of forked and joblib each run a job of their own.
+    # joblib's loky workers and submitit_local's jobs are fresh interpreters (about 10 CPU s of imports each): one
+    # job, seed 0, on each; the two forked workers each run a job of their own (seeds 0 and 1).
     runs = {"forked": ["--jobs", "2"], "joblib": ["--launcher", "joblib", "--jobs", "2"]}
     if pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="submitit") is not None:
         runs["submitit_local"] = ["--launcher", "submitit_local"]
     for name, options in runs.items():
         out = tmp_path / name
-        seeds = 1 if name == "submitit_local" else 2
+        seeds = 2 if name == "forked" else 1
         # The fixture's recipe had no ckpt_path: a new directory for a new recipe.
         args = ["--rates", "0.2", "--seeds", str(seeds), *options, "--out", str(out), *TINY, f"ckpt_path={ckpt}"]
-        runner = forked_jobs(fork_runner) if name == "submitit_local" else contextlib.nullcontext()
+        runner = forked_jobs(fork_runner) if name != "forked" else contextlib.nullcontext()
         with runner:
             status = faults(*args)
         assert status == 0, (name, (out / "study.log").read_text()[-3000:] if (out / "study.log").exists() else "")
