@@ -4,7 +4,6 @@ ONNX."""
 from __future__ import annotations
 
 import csv
-import os
 import re
 import shlex
 import subprocess
