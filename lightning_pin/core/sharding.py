@@ -127,18 +127,25 @@ class Target:
         ``index_fill_`` writes them, the free ones stay as they are, NaN and -0.0 included). From
         :data:`DENSE_FRACTION` of the tensor on, that pass costs less than widening the indices and
         scattering zeros. The mask's dtype is :func:`keep_dtype`'s. False: not such a case."""
+        words = self._dense_words(grad)
+        if words is None:
+            return False
+        words.mul_(self._kept_mask(words))
+        return True
+
+    def _dense_words(self, tensor: Tensor) -> Tensor | None:
+        """``tensor``'s flat integer words where a dense pass serves this pin (at least :data:`DENSE_FRACTION`
+        of its elements pinned, a word-sized dtype, contiguous, not sharded); None elsewhere."""
         index = self.index
         if (
             index is None
-            or index.numel() < DENSE_FRACTION * grad.numel()
-            or grad.element_size() not in _WORDS
-            or not grad.is_contiguous()
-            or is_sharded(grad)
+            or index.numel() < DENSE_FRACTION * tensor.numel()
+            or tensor.element_size() not in _WORDS
+            or not tensor.is_contiguous()
+            or is_sharded(tensor)
         ):
-            return False
-        words = grad.view(-1).view(_WORDS[grad.element_size()])
-        words.mul_(self._kept_mask(words))
-        return True
+            return None
+        return tensor.view(-1).view(_WORDS[tensor.element_size()])
 
     def _kept_mask(self, words: Tensor) -> Tensor:
         """The mask of :meth:`_keep_dense` for ``words`` (a gradient's or the parameter's), made once."""
@@ -196,24 +203,21 @@ class Target:
         elsewhere. Integer words, so exact for every bit pattern (NaN payloads, -0.0); 0 * x and 1 * x
         never overflow. On 2 CPU threads over 6.25M float32 elements half pinned this pass costs 1.4 ms
         against 4.8 ms for ``index_copy_`` of widened positions, whose scatter runs one element at a
-        time. The targets cost 4 more bytes an element of such tensors (CPU only: CUDA's scatter runs at
-        memory speed, and there the index kernels read less). None: not such a case."""
-        index = self.index
-        if (
-            data.device.type != "cpu"
-            or index is None
-            or index.numel() < DENSE_FRACTION * data.numel()
-            or data.element_size() not in _WORDS
-            or not data.is_contiguous()
-        ):
+        time; it is faster at every size (one thread: 1.1 against 1.2 us for ``put_`` of 32 of 64 elements,
+        9.8 against 52 us for ``index_copy_`` of 32,768 of 65,536). Memory: the targets' 4 bytes an element
+        of such tensors, and the kept mask's 4 where the gradient mask does not keep it already (pins of at
+        most :data:`WIDE_LIMIT` elements, whose gradients are masked by their kept int64 positions). CPU
+        only: CUDA's scatter runs at memory speed, and there the index kernels read less. None: not such a
+        case."""
+        words = self._dense_words(data) if data.device.type == "cpu" else None
+        if words is None:
             return None
-        words = data.view(-1).view(_WORDS[data.element_size()])
         keep = self._kept_mask(words)
         targets = self._dense_targets
         if targets is None or targets.dtype != words.dtype or targets.numel() != words.numel():
             values = self.values.reshape(-1).to(device=data.device, dtype=data.dtype).view(words.dtype)
             targets = torch.zeros_like(words)
-            copy_at(targets, index, values)
+            copy_at(targets, self.index, values)
             self._dense_targets = targets
         return functools.partial(torch.addcmul, targets, words, keep, out=words)
 
