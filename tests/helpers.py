@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_pin.core.kinds.stuck_bits import BITS_DTYPES
+
 
 def make_loader(n: int = 64, features: int = 8, classes: int = 3, batch_size: int = 8, seed: int = 0) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
@@ -52,6 +54,19 @@ def trainer(**kwargs) -> L.Trainer:
 
 
 # --------------------------------------------------------------------------------------------
+def with_specials(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values of ``dtype`` with inf, -inf, NaNs of two payloads and -0.0 sprinkled in: the words a mask or a
+    restore must carry or overwrite bit for bit."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(numel, generator=generator).to(dtype)
+    word = BITS_DTYPES[dtype]
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0], dtype=dtype).view(word)
+    specials = torch.cat([specials, specials[2:3] + 1])  # a NaN of another payload
+    at = torch.randint(0, numel, (max(1, numel // 4),), generator=generator)
+    values.view(word)[at] = specials[torch.arange(at.numel()) % specials.numel()]
+    return values
+
+
 # Integration-test helpers (trainer paths, resume, DDP): snapshots, a step recorder, pin checks.
 
 

@@ -11,49 +11,35 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from helpers import with_specials
 from lightning_pin import Pin, pin
 from lightning_pin.core import sharding
+from lightning_pin.core.kinds.stuck_bits import BITS_DTYPES
 from lightning_pin.core.sharding import Target
-
-_WORD = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
-         torch.float64: torch.int64}
-
-
-def _words_with_specials(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Random words of ``dtype`` with inf, -inf, NaNs of two payloads and -0.0 sprinkled in."""
-    generator = torch.Generator().manual_seed(seed)
-    values = torch.randn(numel, generator=generator).to(dtype)
-    words = values.view(_WORD[dtype])
-    nan_payload = torch.tensor([float("nan")], dtype=dtype).view(_WORD[dtype]) + 1  # a NaN of another payload
-    specials = torch.cat([torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0], dtype=dtype).view(
-        _WORD[dtype]), nan_payload])
-    at = torch.randint(0, numel, (max(1, numel // 4),), generator=generator)
-    words[at] = specials[torch.arange(at.numel()) % specials.numel()]
-    return values
 
 
 @settings(max_examples=40, deadline=None)
 @given(
     numel=st.integers(3, 400),
     fraction=st.floats(0.0, 1.0),
-    dtype=st.sampled_from(list(_WORD)),
+    dtype=st.sampled_from(list(BITS_DTYPES)),
     seed=st.integers(0, 2**16),
 )
 def test_the_dense_restore_writes_the_words_index_copy_writes(numel, fraction, dtype, seed):
     generator = torch.Generator().manual_seed(seed)
     count = max(math.ceil(sharding.DENSE_FRACTION * numel), min(numel, round(fraction * numel)))  # dense: a third on
     index = torch.randperm(numel, generator=generator)[:count].sort().values.int()
-    targets = _words_with_specials(count, dtype, seed + 1)
-    parameter = nn.Parameter(_words_with_specials(numel, dtype, seed))
+    targets = with_specials(count, dtype, seed + 1)
+    parameter = nn.Parameter(with_specials(numel, dtype, seed))
     expected = parameter.detach().clone().index_copy_(0, index.long(), targets)
     target = Target("w", parameter, index, targets)
 
     for _ in range(2):  # the second pass reads the kept targets and mask
         assert target.restore_dense()
         assert target._dense_targets is not None
-        assert torch.equal(parameter.detach().view(_WORD[dtype]), expected.view(_WORD[dtype]))
-        parameter.data.view(_WORD[dtype]).add_(1)  # an optimizer step moved every element
-        expected.view(_WORD[dtype])[_free(numel, index)] += 1
+        assert torch.equal(parameter.detach().view(BITS_DTYPES[dtype]), expected.view(BITS_DTYPES[dtype]))
+        parameter.data.view(BITS_DTYPES[dtype]).add_(1)  # an optimizer step moved every element
+        expected.view(BITS_DTYPES[dtype])[_free(numel, index)] += 1
 
 
 def _free(numel: int, index: torch.Tensor) -> torch.Tensor:

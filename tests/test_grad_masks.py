@@ -13,29 +13,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from helpers import with_specials
 from lightning_pin import Pin, pin
 from lightning_pin.core import sharding
+from lightning_pin.core.kinds.stuck_bits import BITS_DTYPES
 from lightning_pin.core.sharding import Target
-
-_WORD = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
-         torch.float64: torch.int64}
-
-
-def _grad_with_specials(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Random gradient words with inf, -inf, NaN and -0.0 sprinkled in (what a scatter of zeros overwrites)."""
-    generator = torch.Generator().manual_seed(seed)
-    grad = torch.randn(numel, generator=generator).to(dtype)
-    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0], dtype=dtype)
-    at = torch.randint(0, numel, (max(1, numel // 5),), generator=generator)
-    grad[at] = specials[torch.arange(at.numel()) % 4]
-    return grad
 
 
 @settings(max_examples=40, deadline=None)
 @given(
     numel=st.integers(3, 400),
     fraction=st.floats(0.34, 1.0),
-    dtype=st.sampled_from(list(_WORD)),
+    dtype=st.sampled_from(list(BITS_DTYPES)),
     seed=st.integers(0, 2**16),
     narrow=st.booleans(),
 )
@@ -46,20 +35,20 @@ def test_the_dense_mask_writes_the_words_index_fill_writes(numel, fraction, dtyp
     index = torch.randperm(numel, generator=generator)[:count].sort().values.int()
     parameter = nn.Parameter(torch.zeros(numel, dtype=dtype))
     target = Target("w", parameter, index, torch.zeros(count, dtype=dtype))
-    grad = _grad_with_specials(numel, dtype, seed)
+    grad = with_specials(numel, dtype, seed)
     expected = grad.clone().index_fill_(0, index.long(), 0)
-    keep_dtype = torch.int8 if narrow else _WORD[dtype]
+    keep_dtype = torch.int8 if narrow else BITS_DTYPES[dtype]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sharding, "keep_dtype", lambda grad: keep_dtype)
         assert target._keep_dense(grad)
     assert target._keep.dtype == keep_dtype
-    assert torch.equal(grad.view(_WORD[dtype]), expected.view(_WORD[dtype]))
+    assert torch.equal(grad.view(BITS_DTYPES[dtype]), expected.view(BITS_DTYPES[dtype]))
 
 
 def test_on_cpu_the_mask_has_the_gradients_word_width():
     """CPU kernels would copy an int8 mask to the word width on every step (see keep_dtype)."""
-    for dtype, word in _WORD.items():
+    for dtype, word in BITS_DTYPES.items():
         parameter = nn.Parameter(torch.zeros(6, dtype=dtype))
         target = Target("w", parameter, torch.arange(3, dtype=torch.int32), torch.zeros(3, dtype=dtype))
         assert target._keep_dense(torch.ones(6, dtype=dtype))
@@ -72,7 +61,7 @@ def test_mask_grad_takes_the_dense_pass_from_a_third_of_the_elements_on(monkeypa
     for count, dense in ((29, False), (30, True), (90, True)):
         index = torch.arange(0, numel, numel // count, dtype=torch.int32)[:count]
         target = Target("w", nn.Parameter(torch.zeros(numel)), index, torch.zeros(count))
-        grad = _grad_with_specials(numel, torch.float32, count)
+        grad = with_specials(numel, torch.float32, count)
         expected = grad.clone().index_fill_(0, index.long(), 0)
         target.mask_grad(grad)
         assert (target._keep is not None) is dense
@@ -83,7 +72,7 @@ def test_a_permuted_gradient_is_masked_by_the_general_path():
     parameter = nn.Parameter(torch.zeros(4, 6))
     index = torch.arange(0, 24, 2, dtype=torch.int32)  # half the elements, row-major
     target = Target("w", parameter, index, torch.zeros(12))
-    grad = _grad_with_specials(24, torch.float32, 3).view(6, 4).t()  # (4, 6), not contiguous
+    grad = with_specials(24, torch.float32, 3).view(6, 4).t()  # (4, 6), not contiguous
     expected = grad.contiguous().view(-1).index_fill_(0, index.long(), 0).view(4, 6)
     assert not target._keep_dense(grad)
     target.mask_grad(grad)
