@@ -26,6 +26,13 @@ else
 TORCH_URL := $(TORCH_INDEX)
 endif
 STAMP := $(VENV)/.installed
+# Packages are installed without compiling their bytecode (as uv does): Python compiles a module the first
+# time it is imported and keeps it in __pycache__, so only what is used is compiled. Measured on 2 cores:
+# the install takes 30 s instead of 97 s, and the tests run no slower. Those files are kept even where the
+# environment asks otherwise (PYTHONDONTWRITEBYTECODE): there every process (the suite starts about a
+# hundred: DDP ranks, the CLI, the app) would compile again what it imports, torch and this package included.
+PIP := $(PY) -m pip install -q --no-compile
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install demo test docs clean
 
@@ -38,15 +45,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || { \
 	  { test -n "$(TORCH_URL)" && \
-	    $(PY) -m pip install -q --timeout 5 --retries 0 --index-url "$(TORCH_URL)" "$(TORCH_SPEC)" && \
-	    { { $(PY) -m pip install -q --timeout 5 --retries 0 --index-url "$(TORCH_URL)" "$(VISION_SPEC)" && \
+	    $(PIP) --timeout 5 --retries 0 --index-url "$(TORCH_URL)" "$(TORCH_SPEC)" && \
+	    { { $(PIP) --timeout 5 --retries 0 --index-url "$(TORCH_URL)" "$(VISION_SPEC)" && \
 	        $(PY) -c "import torchvision" 2>/dev/null; } || \
 	      { $(PY) -m pip uninstall -q -y torchvision 2>/dev/null; \
 	        echo "make: no $(VISION_SPEC) that loads beside this torch; model=torchvision and data=cifar10 need it"; }; }; } || \
 	  { test -z "$(TORCH_URL)" || echo "make: no $(TORCH_SPEC) from $(TORCH_URL); trying the default index"; \
-	    $(PY) -m pip install -q "$(TORCH_SPEC)"; }; }
-	$(PY) -m pip install -q -e ".[dev,app,export,tune,cluster,docs]"
-	$(PY) -m pip install -q --no-deps "$(TORCHAO_SPEC)"
+	    $(PIP) "$(TORCH_SPEC)"; }; }
+	$(PIP) -e ".[dev,app,export,tune,cluster,docs]"
+	$(PIP) --no-deps "$(TORCHAO_SPEC)"
 	touch $(STAMP)
 
 # The Hydra app with its defaults: pretrain a small CNN on digits, stick 5% of its conv weights

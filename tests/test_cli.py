@@ -81,14 +81,28 @@ def test_make_install_tries_the_chosen_torch_index_first_then_the_default(tmp_pa
         ["make", "-n", "-B", "-C", str(ROOT), "install", f"TORCH_INDEX={index}", f"VENV={tmp_path / 'venv'}"],
         capture_output=True, text=True, timeout=60,
     ).stdout
-    torch_step = recipe[recipe.index('-c "import torch"') :].split("pip install -q -e")[0]
-    fallback = f'{tmp_path / "venv"}/bin/python -m pip install -q "torch=='
+    torch_step = recipe[recipe.index('-c "import torch"') :].split("--no-compile -e")[0]
+    fallback = f'{tmp_path / "venv"}/bin/python -m pip install -q --no-compile "torch=='
     assert fallback in torch_step  # the default index, when the first try fails (or is skipped)
     if expected is None:
         assert "--index-url" not in torch_step.replace('--index-url ""', "")
     else:
         assert expected in torch_step
         assert torch_step.index(expected) < torch_step.index(fallback)
+
+
+def test_make_keeps_the_bytecode_python_compiles_even_where_the_environment_says_not_to():
+    # The install skips compiling bytecode (pip --no-compile); with PYTHONDONTWRITEBYTECODE passed on, every
+    # process of the suite would then compile torch and this package again.
+    probe = subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "--eval", "probe-env: ; @env", "probe-env"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert "PATH=" in probe.stdout and "PYTHONDONTWRITEBYTECODE" not in probe.stdout
+    assert "--no-compile" in subprocess.run(
+        ["make", "-n", "-B", "-C", str(ROOT), "install"], capture_output=True, text=True, timeout=60
+    ).stdout
 
 
 @pytest.mark.parametrize(
