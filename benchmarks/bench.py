@@ -378,7 +378,8 @@ def pin_bytes(callback: PinCallback) -> tuple[int, int]:
 
 def step_buffer_bytes(callback: PinCallback) -> int:
     """Bytes the steps keep on top of :func:`pin_bytes`: the int64 copies of int32 indices that the
-    index kernels take (made once, for targets of at most ``WIDE_LIMIT`` elements)."""
+    index kernels take (made once: for targets of at most ``WIDE_LIMIT`` elements, and on CPU for every
+    target that no dense pass serves; see ``KEEP_WIDE_ON_CPU``)."""
     stored: dict[int, int] = {}
     for _, targets in callback.engine._values.values():
         for target in targets:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -48,15 +49,23 @@ def _free(numel: int, index: torch.Tensor) -> torch.Tensor:
     return free
 
 
-def test_below_a_third_or_on_a_permuted_tensor_the_index_kernels_write(monkeypatch):
-    monkeypatch.setattr(sharding, "WIDE_LIMIT", 4)  # no int64 copy: the path a large pin takes
+@pytest.mark.parametrize("keep_wide", [True, False])
+def test_below_a_third_or_on_a_permuted_tensor_the_index_kernels_write(monkeypatch, keep_wide):
+    monkeypatch.setattr(sharding, "WIDE_LIMIT", 4)  # the path a large pin takes
+    monkeypatch.setattr(sharding, "KEEP_WIDE_ON_CPU", keep_wide)  # False: no int64 copy, as off the CPU
     numel = 90
     for count, dense in ((29, False), (30, True), (90, True)):
         index = torch.arange(0, numel, numel // count, dtype=torch.int32)[:count]
         parameter = nn.Parameter(torch.zeros(numel))
         target = Target("w", parameter, index, torch.full((count,), 2.5))
-        assert target.restore_dense() is dense  # False: the engine writes it with copy_at
+        # below a third: index_copy_ of the kept int64 positions, or (no copy) False: the engine writes it
+        # with copy_at; from a third on the dense pass, and no int64 copy is kept for it
+        assert target.restore_dense() is (dense or keep_wide)
         assert (target._dense_targets is not None) is dense
+        assert (target._wide is not None) is (keep_wide and not dense)
+        if target.restore_dense():
+            expected = torch.zeros(numel).index_fill_(0, index.long(), 2.5)
+            assert torch.equal(parameter.detach(), expected)
 
     parameter = nn.Parameter(torch.zeros(6, 4).t())  # (4, 6), not contiguous
     target = Target("w", parameter, torch.arange(0, 24, 2, dtype=torch.int32), torch.ones(12))

@@ -56,7 +56,7 @@ def test_on_cpu_the_mask_has_the_gradients_word_width():
 
 
 def test_mask_grad_takes_the_dense_pass_from_a_third_of_the_elements_on(monkeypatch):
-    monkeypatch.setattr(sharding, "WIDE_LIMIT", 4)  # no int64 copy: the path a large pin takes
+    monkeypatch.setattr(sharding, "WIDE_LIMIT", 4)  # the path a large pin takes: dense from a third on
     numel = 90
     for count, dense in ((29, False), (30, True), (90, True)):
         index = torch.arange(0, numel, numel // count, dtype=torch.int32)[:count]
@@ -124,7 +124,7 @@ def test_many_small_masks_run_as_one_map_and_match_one_at_a_time():
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5])
 def test_a_training_loop_holds_with_either_mask(fraction, monkeypatch):
-    monkeypatch.setattr(sharding, "WIDE_LIMIT", 4)  # large pins: widened per call, dense from a third on
+    monkeypatch.setattr(sharding, "WIDE_LIMIT", 4)  # large pins: dense from a third on
     torch.manual_seed(1)
     model = _Stack()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)

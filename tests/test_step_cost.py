@@ -236,12 +236,15 @@ def test_the_per_step_module_check_still_sees_changes_after_steps(change):
             opt.step()
 
 
-def test_indices_above_the_wide_limit_are_widened_per_call_and_still_hold(monkeypatch):
-    """Tensors with more pinned elements than ``WIDE_LIMIT`` keep no int64 copy (memory): they
-    convert on every call, and hold bit for bit all the same (value pins and stuck bits)."""
+@pytest.mark.parametrize("keep_wide", [True, False])
+def test_indices_above_the_wide_limit_are_widened_per_call_and_still_hold(monkeypatch, keep_wide):
+    """Off the CPU, tensors with more pinned elements than ``WIDE_LIMIT`` keep no int64 copy (device
+    memory): they convert on every call. On CPU (``KEEP_WIDE_ON_CPU``) the copy is made once and a
+    steady step converts nothing. Both hold bit for bit (value pins and stuck bits)."""
     from lightning_pin.core import sharding
 
     monkeypatch.setattr(sharding, "WIDE_LIMIT", 4)
+    monkeypatch.setattr(sharding, "KEEP_WIDE_ON_CPU", keep_wide)
     pins = [
         Pin("0.weight", fraction=0.25, seed=1, value=0.25),
         Pin("1.weight", fraction=0.25, seed=2, stuck_at_one=0x00400000),
@@ -258,7 +261,7 @@ def test_indices_above_the_wide_limit_are_widened_per_call_and_still_hold(monkey
             opt.zero_grad()
         recorder.step = None
         handle.verify()  # raises on any element off its pin
-    assert recorder.conversions[3] > 0  # the other side of the trade
+    assert (recorder.conversions[3] > 0) is not keep_wide  # no copy kept: the other side of the trade
     selected = handle.engine.plan.pins[0].selections["0.weight"].index.long()
     assert torch.equal(model[0].weight.detach().view(-1)[selected], torch.full((selected.numel(),), 0.25))
 

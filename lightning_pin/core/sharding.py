@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from lightning_pin.core.errors import PinError
 
 __all__ = [
-    "LocalPart", "PUT_LIMIT", "Target", "WIDE_LIMIT", "copy_at", "fill_at", "flat_view", "is_sharded", "keep_dtype",
+    "KEEP_WIDE_ON_CPU", "LocalPart", "PUT_LIMIT", "Target", "WIDE_LIMIT", "copy_at", "fill_at", "flat_view", "is_sharded", "keep_dtype",
     "local_part", "local_tensor", "shared_zeros", "wide_index",
 ]
 
@@ -108,6 +108,8 @@ class Target:
         if self.index is None:
             local_tensor(grad).zero_()
             return
+        if self._wide is None and self._keep_dense(grad):
+            return
         if self._wide is not None and not is_sharded(grad):
             if self._wide.numel() <= PUT_LIMIT:
                 self._zeros = zeros = shared_zeros(self.index.numel(), grad.dtype, grad.device)
@@ -116,8 +118,6 @@ class Target:
             if grad.is_contiguous():
                 grad.view(-1).index_fill_(0, self._wide, 0)
                 return
-        if self._keep_dense(grad):
-            return
         flat, positions, _ = self.part(grad)
         fill_at(flat, positions, 0)
 
@@ -222,8 +222,11 @@ class Target:
         return functools.partial(torch.addcmul, targets, words, keep, out=words)
 
     def __post_init__(self) -> None:
-        # int64 positions for the fast kernels (see wide_index); None keeps the general path.
-        self._wide = None if self.index is None else wide_index(self.index)
+        # int64 positions for the fast kernels (see wide_index); None keeps the general path. Not for a
+        # pin a dense pass serves (a third or more of a tensor): its step reads no positions.
+        index = self.index
+        dense = index is not None and index.numel() > WIDE_LIMIT and self._dense_words(self.parameter.data) is not None
+        self._wide = None if index is None or dense or is_sharded(self.parameter) else wide_index(index)
         self._dense: bool | None = None
         self._fast: tuple[int, Callable[[], None]] | None = None
         self._flat_values: Tensor | None = None
@@ -370,9 +373,18 @@ def keep_dtype(grad: Tensor) -> torch.dtype:
 
 #: Index tensors of at most this many elements get an int64 copy, made once and kept as long as
 #: the index lives (8 more bytes per pinned element, at most 512 KiB per tensor): there the fixed
-#: cost of a conversion per call is what a many-small-tensors step would pay for. Larger ones are
-#: widened a chunk at a time on every call, where that work is a fraction of the kernel's own.
+#: cost of a conversion per call is what a many-small-tensors step would pay for. Larger ones off
+#: the CPU are widened a chunk at a time on every call: on CUDA a conversion runs at memory speed
+#: and device memory is what the model needs (see KEEP_WIDE_ON_CPU for the CPU).
 WIDE_LIMIT = 1 << 16
+
+#: On CPU every index tensor gets its int64 copy, whatever its size (8 bytes per pinned element):
+#: there a conversion is a pass over the positions that the step waits for, and each chunk one more
+#: kernel call. Measured in a ``Trainer.fit`` of the 25M-parameter MLP (AdamW, 2 threads) with 20% of
+#: every weight pinned, the per-call conversions took 2.2% of the step and the ten index kernels a
+#: tensor took five times the per-call cost of two. A pin a dense pass serves (see
+#: ``Target._dense_write``) keeps no copy.
+KEEP_WIDE_ON_CPU = True
 
 # int64 copies of int32 indices, by the identity of the index tensor (indices are never written
 # after resolution): the kernels (index_fill_, index_copy_, put_) want int64.
@@ -380,12 +392,13 @@ _WIDE: torch.utils.weak.WeakIdKeyDictionary = torch.utils.weak.WeakIdKeyDictiona
 
 
 def wide_index(positions: Tensor) -> Tensor | None:
-    """``positions`` as int64, converted once and cached; None when it is too large to keep twice."""
+    """``positions`` as int64, converted once and cached; None when it is too large to keep twice
+    (more than :data:`WIDE_LIMIT` elements off the CPU)."""
     if positions.dtype == torch.int64:
         return positions
     wide = _WIDE.get(positions)
     if wide is None:
-        if positions.numel() > WIDE_LIMIT:
+        if positions.numel() > WIDE_LIMIT and not (KEEP_WIDE_ON_CPU and positions.device.type == "cpu"):
             return None
         wide = _WIDE[positions] = positions.long()
     return wide
