@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from lightning_pin.core.errors import PinError
 
 __all__ = [
-    "KEEP_WIDE_ON_CPU", "LocalPart", "PUT_LIMIT", "Target", "WIDE_LIMIT", "copy_at", "fill_at", "flat_view", "is_sharded",
-    "keep_dtype", "local_part", "local_tensor", "shared_zeros", "wide_index",
+    "KEEP_WIDE_ON_CPU", "LocalPart", "PUT_LIMIT", "Target", "WIDE_LIMIT", "copy_at", "fill_at", "flat_view",
+    "is_sharded", "keep_dtype", "local_part", "local_tensor", "shared_zeros", "wide_index",
 ]
 
 
