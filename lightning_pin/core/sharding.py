@@ -108,8 +108,11 @@ class Target:
         if self.index is None:
             local_tensor(grad).zero_()
             return
-        if self._wide is None and self._keep_dense(grad):
-            return
+        if self._wide is None:
+            if self._keep_dense(grad):
+                return
+            if not self._widened:
+                self._widen()
         if self._wide is not None and not is_sharded(grad):
             if self._wide.numel() <= PUT_LIMIT:
                 self._zeros = zeros = shared_zeros(self.index.numel(), grad.dtype, grad.device)
@@ -156,6 +159,13 @@ class Target:
             self._keep = keep
         return keep
 
+    def _widen(self) -> None:
+        """Keep an int64 copy of the positions where :func:`wide_index` keeps one (on CPU, any size); asked
+        once (off the CPU a large pin's answer is None every step)."""
+        self._widened = True
+        if self.index is not None and not is_sharded(self.parameter):
+            self._wide = wide_index(self.index)
+
     def grad_zeros(self) -> tuple[Tensor, Tensor] | None:
         """``(positions, zeros)`` such that ``grad.put_(positions, zeros)`` zeroes the pinned
         elements of a dense gradient of this parameter (what :meth:`mask_grad` does for few
@@ -182,6 +192,8 @@ class Target:
         data = parameter.data
         write = self._dense_write(data)
         if write is None:
+            if self._wide is None and not self._widened:
+                self._widen()
             if self._wide is None:
                 return None
             by_put = self._wide.numel() <= PUT_LIMIT
@@ -222,11 +234,12 @@ class Target:
         return functools.partial(torch.addcmul, targets, words, keep, out=words)
 
     def __post_init__(self) -> None:
-        # int64 positions for the fast kernels (see wide_index); None keeps the general path. Not for a
-        # pin a dense pass serves (a third or more of a tensor): its step reads no positions.
-        index = self.index
-        dense = index is not None and index.numel() > WIDE_LIMIT and self._dense_words(self.parameter.data) is not None
-        self._wide = None if index is None or dense or is_sharded(self.parameter) else wide_index(index)
+        # int64 positions for the fast kernels (see wide_index); None keeps the general path. Small pins'
+        # are made now; larger ones by _widen, once an index kernel needs them: never for a pin a dense
+        # pass serves (a third or more of a tensor on CPU), whose steps read no positions.
+        small = self.index is not None and self.index.numel() <= WIDE_LIMIT and not is_sharded(self.parameter)
+        self._wide = wide_index(self.index) if small else None
+        self._widened = small
         self._dense: bool | None = None
         self._fast: tuple[int, Callable[[], None]] | None = None
         self._flat_values: Tensor | None = None
