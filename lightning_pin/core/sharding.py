@@ -394,8 +394,8 @@ WIDE_LIMIT = 1 << 16
 #: On CPU every index tensor gets its int64 copy, whatever its size (8 bytes per pinned element):
 #: there a conversion is a pass over the positions that the step waits for, and each chunk one more
 #: kernel call. Measured in a ``Trainer.fit`` of the 25M-parameter MLP (AdamW, 2 threads) with 20% of
-#: every weight pinned, the per-call conversions took 2.2% of the step and the ten index kernels a
-#: tensor took five times the per-call cost of two. A pin a dense pass serves (see
+#: every weight pinned, the per-call conversions took 2.2% of the step, and each tensor made ten index
+#: kernel calls a step (a chunk each) where two do. A pin a dense pass serves (see
 #: ``Target._dense_write``) keeps no copy.
 KEEP_WIDE_ON_CPU = True
 
