@@ -111,8 +111,7 @@ class Target:
         if self._wide is None:
             if self._keep_dense(grad):
                 return
-            if not self._widened:
-                self._widen()
+            self._widen()
         if self._wide is not None and not is_sharded(grad):
             if self._wide.numel() <= PUT_LIMIT:
                 self._zeros = zeros = shared_zeros(self.index.numel(), grad.dtype, grad.device)
@@ -159,12 +158,14 @@ class Target:
             self._keep = keep
         return keep
 
-    def _widen(self) -> None:
-        """Keep an int64 copy of the positions where :func:`wide_index` keeps one (on CPU, any size); asked
-        once (off the CPU a large pin's answer is None every step)."""
-        self._widened = True
-        if self.index is not None and not is_sharded(self.parameter):
-            self._wide = wide_index(self.index)
+    def _widen(self) -> Tensor | None:
+        """The int64 positions of the index kernels: kept where :func:`wide_index` keeps them (on CPU, any
+        size), asked at the first call only (off the CPU a large pin's answer is None every step)."""
+        if not self._widened:
+            self._widened = True
+            if self.index is not None and not is_sharded(self.parameter):
+                self._wide = wide_index(self.index)
+        return self._wide
 
     def grad_zeros(self) -> tuple[Tensor, Tensor] | None:
         """``(positions, zeros)`` such that ``grad.put_(positions, zeros)`` zeroes the pinned
@@ -192,9 +193,7 @@ class Target:
         data = parameter.data
         write = self._dense_write(data)
         if write is None:
-            if self._wide is None and not self._widened:
-                self._widen()
-            if self._wide is None:
+            if self._widen() is None:
                 return None
             by_put = self._wide.numel() <= PUT_LIMIT
             if not (data.is_contiguous() or (by_put and _is_dense(data))):
