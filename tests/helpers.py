@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pin.core.kinds.stuck_bits import BITS_DTYPES
+from lightning_pin.core.sharding import DENSE_FRACTION
 
 
 def make_loader(n: int = 64, features: int = 8, classes: int = 3, batch_size: int = 8, seed: int = 0) -> DataLoader:
@@ -65,6 +68,26 @@ def with_specials(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     at = torch.randint(0, numel, (max(1, numel // 4),), generator=generator)
     values.view(word)[at] = specials[torch.arange(at.numel()) % specials.numel()]
     return values
+
+
+def dense_index(numel: int, fraction: float, seed: int) -> torch.Tensor:
+    """Sorted int32 positions of ``fraction`` of ``numel`` elements, at least DENSE_FRACTION of them: a pin that a
+    dense pass (the gradient mask's, the CPU restore's) serves."""
+    count = max(math.ceil(DENSE_FRACTION * numel), min(numel, round(fraction * numel)))
+    return torch.randperm(numel, generator=torch.Generator().manual_seed(seed))[:count].sort().values.int()
+
+
+class TanhStack(nn.Module):
+    """``layers`` Linear(8, 8) layers with tanh between them: a plain loop's model of several small weights."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
 
 
 # Integration-test helpers (trainer paths, resume, DDP): snapshots, a step recorder, pin checks.

@@ -4,15 +4,13 @@ writes, for every bit pattern, and leaves every free word as it was."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from helpers import with_specials
+from helpers import TanhStack, dense_index, with_specials
 from lightning_pin import Pin, pin
 from lightning_pin.core import sharding
 from lightning_pin.core.kinds.stuck_bits import BITS_DTYPES
@@ -27,9 +25,8 @@ from lightning_pin.core.sharding import Target
     seed=st.integers(0, 2**16),
 )
 def test_the_dense_restore_writes_the_words_index_copy_writes(numel, fraction, dtype, seed):
-    generator = torch.Generator().manual_seed(seed)
-    count = max(math.ceil(sharding.DENSE_FRACTION * numel), min(numel, round(fraction * numel)))  # dense: a third on
-    index = torch.randperm(numel, generator=generator)[:count].sort().values.int()
+    index = dense_index(numel, fraction, seed)
+    count = index.numel()
     targets = with_specials(count, dtype, seed + 1)
     parameter = nn.Parameter(with_specials(numel, dtype, seed))
     expected = parameter.detach().clone().index_copy_(0, index.long(), targets)
@@ -83,21 +80,10 @@ def test_a_new_storage_gets_the_targets_written_into_it():
     assert torch.equal(parameter.detach(), expected)
 
 
-class _Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
 def test_a_training_loop_with_weight_decay_holds_its_pins_through_the_dense_restore(monkeypatch):
     monkeypatch.setattr(sharding, "WIDE_LIMIT", 4)  # a large pin's path
     torch.manual_seed(3)
-    model = _Stack()
+    model = TanhStack(3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)  # decay moves pinned values too
     weight = model.layers[1].weight
     before = weight.detach().clone()

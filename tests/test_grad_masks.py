@@ -5,15 +5,13 @@ mask, ``index_fill_`` of zeros."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from helpers import with_specials
+from helpers import TanhStack, dense_index, with_specials
 from lightning_pin import Pin, pin
 from lightning_pin.core import sharding
 from lightning_pin.core.kinds.stuck_bits import BITS_DTYPES
@@ -30,9 +28,8 @@ from lightning_pin.core.sharding import Target
 )
 def test_the_dense_mask_writes_the_words_index_fill_writes(numel, fraction, dtype, seed, narrow):
     """Either mask dtype: the word width (CPU's) or int8 (CUDA's, sign-extended by the AND)."""
-    generator = torch.Generator().manual_seed(seed)
-    count = max(math.ceil(sharding.DENSE_FRACTION * numel), min(numel, round(fraction * numel)))  # dense: a third on
-    index = torch.randperm(numel, generator=generator)[:count].sort().values.int()
+    index = dense_index(numel, fraction, seed)
+    count = index.numel()
     parameter = nn.Parameter(torch.zeros(numel, dtype=dtype))
     target = Target("w", parameter, index, torch.zeros(count, dtype=dtype))
     grad = with_specials(numel, dtype, seed)
@@ -80,20 +77,9 @@ def test_a_permuted_gradient_is_masked_by_the_general_path():
     assert torch.equal(grad.contiguous().view(torch.int32), expected.view(torch.int32))
 
 
-class _Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
 def test_many_small_masks_run_as_one_map_and_match_one_at_a_time():
     torch.manual_seed(0)
-    model = _Stack()
+    model = TanhStack(6)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     names = [f"layers.{i}.weight" for i in range(6)]
     with pin(model, opt, [Pin(names, fraction=0.25, seed=4, value=0.5)]) as handle:
@@ -126,7 +112,7 @@ def test_many_small_masks_run_as_one_map_and_match_one_at_a_time():
 def test_a_training_loop_holds_with_either_mask(fraction, monkeypatch):
     monkeypatch.setattr(sharding, "WIDE_LIMIT", 4)  # large pins: dense from a third on
     torch.manual_seed(1)
-    model = _Stack()
+    model = TanhStack(6)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     with pin(model, opt, [Pin("layers.1.weight", fraction=fraction, seed=2, value=0.125)]) as handle:
         for _ in range(3):
