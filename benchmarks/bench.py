@@ -261,6 +261,42 @@ class DenseMaskPins(L.Callback):
             torch.where(mask, target, parameter, out=parameter.data)
 
 
+class RawIndexPins(L.Callback):
+    """The floor under the Trainer bars: pinning written bare with torch's index kernels, as the
+    engine runs them on a tensor it does not serve densely. Per weight, int64 positions made once;
+    before each step ``index_fill_`` zeroes the pinned gradient, after it ``index_copy_`` writes
+    the targets back, and after the first step the pinned second moments are set to 1.0 once (the
+    engine parks them so: torch's CPU square root of exact zeros is slow). No checks, no plan, no
+    monitoring. A pinned fit over this one's is what lightning-pin adds above the kernels."""
+
+    def __init__(self, model: MLP, fraction: float) -> None:
+        self.entries = []
+        for name in weight_names(model):
+            parameter = model.get_parameter(name)
+            index = fraction_indices(name, parameter.numel(), fraction, 0).long()
+            self.entries.append((parameter, index, parameter.detach().reshape(-1)[index].clone()))
+        self.parked = False
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        for optimizer in trainer.optimizers:
+            optimizer.register_step_post_hook(self._restore)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        for parameter, index, _ in self.entries:
+            parameter.grad.view(-1).index_fill_(0, index, 0)
+
+    @torch.no_grad()
+    def _restore(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        for parameter, index, targets in self.entries:
+            parameter.data.view(-1).index_copy_(0, index, targets)
+        if not self.parked:
+            self.parked = True
+            for parameter, index, _ in self.entries:
+                moments = optimizer.state[parameter].get("exp_avg_sq")  # Adam's kind; SGD has none
+                if moments is not None:
+                    moments.view(-1).index_fill_(0, index, 1.0)
+
+
 class ResetEveryN(L.Callback):
     """The naive approach a user of ONNX Runtime training tried: write the targets back every
     ``every`` batches (they used 100), nothing else."""
@@ -579,61 +615,104 @@ def alias_statistics(source: torch.optim.Optimizer, twin: torch.optim.Optimizer)
                 twin.state[mine][key] = value.data
 
 
+class RawPins:
+    """The floor under the depth rows: what pinning ``fraction`` of each of ``names`` must do at the
+    least, written bare. One ``put_`` of zeros into each pinned gradient before the step and one
+    ``put_`` of its targets after it (the optimizer's hooks), with int64 positions made once: the
+    kernels the engine itself runs on such tensors, without its checks, plan or bookkeeping. The
+    engine's step over this one's is what lightning-pin adds above torch's kernels."""
+
+    def __init__(self, model: nn.Module, names: list[str], fraction: float, optimizer: torch.optim.Optimizer) -> None:
+        self.entries = []
+        for name in names:
+            parameter = model.get_parameter(name)
+            index = fraction_indices(name, parameter.numel(), fraction, 0).long()
+            targets = parameter.detach().reshape(-1)[index].clone()
+            self.entries.append((parameter, index, targets, torch.zeros_like(targets)))
+        self.handles = [optimizer.register_step_pre_hook(self._mask), optimizer.register_step_post_hook(self._restore)]
+
+    def _mask(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for parameter, index, _, zeros in self.entries:
+            parameter.grad.put_(index, zeros)
+
+    @torch.no_grad()
+    def _restore(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for parameter, index, targets, _ in self.entries:
+            parameter.data.put_(index, targets)
+
+
 def depth_rounds(
-    layers: int, fraction: float, optimizer: str, rounds: int, steps: int, warmup: int, parameters: int = 4_000_000
+    layers: int, fraction: float, optimizer: str, rounds: int, steps: int, warmup: int, parameters: int = 4_000_000,
+    floor: bool = False,
 ) -> dict[str, Any]:
     """Plain-loop step times (forward of a batch of 16, backward, step, zero_grad) with ``pin()``
     on ``fraction`` of every weight and without, on the same weights and statistics (aliased).
-    Both loops take turns step by step (the order flips every step), so that the machine's noise,
-    which on a shared host comes in bursts longer than a step, hits both alike. Returns the median step times, the ratio
-    of medians per round and the microseconds pinning adds per pinned tensor and step."""
+    The loops take turns step by step (the order turns every step), so that the machine's noise,
+    which on a shared host comes in bursts longer than a step, hits them alike. Returns the median step times, the ratio
+    of medians per round and the microseconds pinning adds per pinned tensor and step. ``floor``:
+    a third loop pinned by :class:`RawPins` on the same memory, and the engine's step over its step."""
     from lightning_pin import pin
 
-    pinned_ms, unpinned_ms, ratios, cpu_ratios = [], [], [], []
+    kinds = ("pinned", "unpinned", "floor") if floor else ("pinned", "unpinned")
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}  # per round, the median step (s)
+    cpu_ratios = []
     for _ in range(rounds):
         model, names = _deep_stack(layers, parameters)
         opt = DEPTH_OPTIMIZERS[optimizer](model.parameters())
-        twin = aliased(model)  # the unpinned loop trains the same memory (see aliased); before pin()'s hooks
-        loops = {
-            True: (model, opt, pin(model, opt, [Pin(names, fraction=fraction, seed=0)]), [], []),
-            False: (twin, DEPTH_OPTIMIZERS[optimizer](twin.parameters()), None, [], []),
-        }
+        # The other loops train the same memory (see aliased), made before pin()'s hooks.
+        twins = {kind: aliased(model) for kind in kinds[1:]}
+        optimizers = {"pinned": opt, **{kind: DEPTH_OPTIMIZERS[optimizer](t.parameters()) for kind, t in twins.items()}}
+        handle = pin(model, opt, [Pin(names, fraction=fraction, seed=0)])
+        raw = RawPins(twins["floor"], names, fraction, optimizers["floor"]) if floor else None
+        models = {"pinned": model, **twins}
+        wall: dict[str, list[float]] = {kind: [] for kind in kinds}
+        cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
         x = torch.randn(16, model[0].in_features)
         gc.collect()
         for step in range(warmup + steps):
             if step == 1:
-                alias_statistics(loops[True][1], loops[False][1])
-            for pinned in ((False, True) if step % 2 else (True, False)):
-                model, opt, _, wall, cpu = loops[pinned]
+                for kind in kinds[1:]:
+                    alias_statistics(opt, optimizers[kind])
+            turn = step % len(kinds)
+            for kind in kinds[turn:] + kinds[:turn]:
                 started, started_cpu = time.perf_counter(), time.process_time()
-                model(x).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
+                models[kind](x).square().mean().backward()
+                optimizers[kind].step()
+                optimizers[kind].zero_grad()
                 if step >= warmup:
-                    wall.append(time.perf_counter() - started)
-                    cpu.append(time.process_time() - started_cpu)
-        loops[True][2].remove()
-        medians = {k: (statistics.median(v[3]), statistics.median(v[4])) for k, v in loops.items()}
-        unpinned_ms.append(medians[False][0] * 1e3)
-        pinned_ms.append(medians[True][0] * 1e3)
-        ratios.append(medians[True][0] / medians[False][0])
-        cpu_ratios.append(medians[True][1] / medians[False][1])
-    per_tensor_us = statistics.median((p - u) * 1e3 / layers for p, u in zip(pinned_ms, unpinned_ms))
-    return {
-        "unpinned_ms": statistics.median(unpinned_ms),
-        "pinned_ms": statistics.median(pinned_ms),
+                    wall[kind].append(time.perf_counter() - started)
+                    cpu[kind].append(time.process_time() - started_cpu)
+        handle.remove()
+        for hook in raw.handles if raw is not None else ():
+            hook.remove()
+        for kind in kinds:
+            times[kind].append(statistics.median(wall[kind]))
+        cpu_ratios.append(statistics.median(cpu["pinned"]) / statistics.median(cpu["unpinned"]))
+    ratios = [p / u for p, u in zip(times["pinned"], times["unpinned"])]
+    row = {
+        "unpinned_ms": statistics.median(times["unpinned"]) * 1e3,
+        "pinned_ms": statistics.median(times["pinned"]) * 1e3,
         "ratio": statistics.median(ratios),
         "rounds": ratios,
         "cpu_ratio": statistics.median(cpu_ratios),
-        "us_per_pinned_tensor": per_tensor_us,
+        "us_per_pinned_tensor": statistics.median(
+            (p - u) * 1e6 / layers for p, u in zip(times["pinned"], times["unpinned"])
+        ),
     }
+    if floor:
+        row["floor_ms"] = statistics.median(times["floor"]) * 1e3
+        row["floor_rounds"] = [f / u for f, u in zip(times["floor"], times["unpinned"])]
+        row["floor_ratio"] = statistics.median(row["floor_rounds"])
+        row["over_floor"] = statistics.median(p / f for p, f in zip(times["pinned"], times["floor"]))
+    return row
 
 
 def depth_rows(
     depths: tuple[int, ...], fractions: tuple[float, ...], optimizers: tuple[str, ...], rounds: int, steps: int,
-    warmup: int, parameters: int = 4_000_000,
+    warmup: int, parameters: int = 4_000_000, floor: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """One row per depth, fraction and optimizer (see :func:`depth_rounds`), printed as they come."""
+    """One row per depth, fraction and optimizer (see :func:`depth_rounds`), printed as they come;
+    ``floor``: each with :class:`RawPins`' step over the unpinned one and the engine's over it."""
     print(
         f"depth at fixed size: {parameters / 1e6:.3g}M parameters as N square Linear layers, pin() on a fraction of "
         f"every weight, plain loop; median of {rounds} interleaved rounds of {steps} steps"
@@ -646,7 +725,7 @@ def depth_rows(
     for optimizer in optimizers:
         for fraction in fractions:
             for layers in depths:
-                row = depth_rounds(layers, fraction, optimizer, rounds, steps, warmup, parameters)
+                row = depth_rounds(layers, fraction, optimizer, rounds, steps, warmup, parameters, floor)
                 rows[f"{optimizer} {fraction:.0%} x{layers}"] = row
                 print(
                     f"  {optimizer:<16}{fraction:>7.0%}{layers:>8}{row['unpinned_ms']:>13.1f}{row['pinned_ms']:>11.1f}"
@@ -654,6 +733,10 @@ def depth_rows(
                     + " ".join(f"{r:.3f}" for r in row["rounds"]),
                     flush=True,
                 )
+                if floor:
+                    print(f"  {'':<16}{'floor':>7}{'':>8}{'':>13}{row['floor_ms']:>11.1f}{row['floor_ratio']:>8.3f}"
+                          f"{'':>7}{'':>11}   " + " ".join(f"{r:.3f}" for r in row["floor_rounds"])
+                          + f"   (the engine over it: {row['over_floor']:.3f})", flush=True)
     torch.set_num_threads(threads)
     return rows
 
@@ -725,6 +808,11 @@ def print_rows(title: str, measured: Rounds | dict[str, list[float]], goals: dic
             more = f"  cpu {statistics.median(measured.ratios('cpu')[name]):.3f}  best {measured.best()[name]:.3f}"
         print(f"  {name:<40} {median:6.3f}   [{per_round}]{more}{mark}")
     return medians
+
+
+def floor_cases(fractions: tuple[float, ...]) -> list[Case]:
+    """:class:`RawIndexPins` on each fraction of every weight: the floor under the pinned cases."""
+    return [Case(f"floor {f:.0%}", lambda model, f=f: [RawIndexPins(model, f)]) for f in fractions]
 
 
 def _fraction_cases(fractions: tuple[float, ...], park: bool = True) -> list[Case]:

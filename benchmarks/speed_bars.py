@@ -17,6 +17,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,20 +47,29 @@ def main() -> None:
     width, rounds, steps, warmup = (256, 2, 4, 1) if args.quick else (2500, 5, 20, 4)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     print(f"lightning-pin speed bars  {stamp}  {bench._machine()}  load {os.getloadavg()[0]:.2f}")
-    cases = [bench.Case("unpinned", lambda model: []), *bench._fraction_cases((0.01, 0.2, 0.5))]
+    fractions = (0.01, 0.2, 0.5)
+    cases = [bench.Case("unpinned", lambda model: []), *bench._fraction_cases(fractions), *bench.floor_cases(fractions)]
     measured = bench.compare_rounds(width, cases, rounds, steps, warmup)
     title = (f"Trainer.fit, MLP 4 x Linear({width}, {width}), AdamW, default monitoring: step time / unpinned, "
-             f"median of {rounds} interleaved rounds [each round]")
+             f"median of {rounds} interleaved rounds [each round]; floor: the index kernels written bare")
     eager = bench.print_rows(title, measured, EAGER_GOALS)
+    over_floor = {}
+    for fraction in fractions:
+        pinned, floor = measured.wall[f"pinned {fraction:.0%}"], measured.wall[f"floor {fraction:.0%}"]
+        over_floor[f"{fraction:.0%}"] = rounds_over = [p / f for p, f in zip(pinned, floor)]
+        print(f"  pinned {fraction:.0%} over its floor: {statistics.median(rounds_over):.3f}   "
+              f"[{' '.join(f'{r:.3f}' for r in rounds_over)}]")
     depth_sizes = (2, 4, 1) if args.quick else (5, 30, 5)  # rounds, steps, warm-up steps
     depth = bench.depth_rows((256,), (0.01,), ("AdamW foreach", "AdamW for-loop"), *depth_sizes,
-                             parameters=250_000 if args.quick else 4_000_000)
+                             parameters=250_000 if args.quick else 4_000_000, floor=True)
     for name, row in depth.items():
         print(f"  {name}: {row['ratio']:.3f}   goal <= {SMALL_TENSORS_GOAL:.2f}: "
-              f"{bench.verdict(row['rounds'], SMALL_TENSORS_GOAL)}")
+              f"{bench.verdict(row['rounds'], SMALL_TENSORS_GOAL)}; the same kernels written bare (the floor): "
+              f"{row['floor_ratio']:.3f}, the engine over them {row['over_floor']:.3f}")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"eager": eager, "eager_rounds": measured.ratios(), "small_tensors": depth}, handle, indent=1)
+            json.dump({"eager": eager, "eager_rounds": measured.ratios(), "over_floor": over_floor,
+                       "small_tensors": depth}, handle, indent=1)
 
 
 if __name__ == "__main__":
