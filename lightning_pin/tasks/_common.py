@@ -57,6 +57,9 @@ def _smallest(magnitude: Tensor, count: int, seed: int) -> Tensor:
 
 
 def _name_seed(name: str, seed: int) -> int:
+    """The seed that breaks magnitude ties in a tensor's prune. It keeps the low 63 bits of the digest
+    where :func:`lightning_pin.core.rules.name_seed` shifts it right by one. It stays as it was
+    written: a run repeated with the same seed then prunes the same tied elements as before."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
