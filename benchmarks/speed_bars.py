@@ -1,14 +1,16 @@
 """The engine's speed bars alone: the eager step at 1% / 20% / 50% pinned, and 256 small pinned tensors.
 
-    python benchmarks/speed_bars.py            # about 2 minutes on 2 quiet CPU cores
+    python benchmarks/speed_bars.py            # about 3 minutes on 2 quiet CPU cores
     python benchmarks/speed_bars.py --quick    # small sizes: it runs, the figures mean little
 
 The same measurements as ``bench.py`` (its cases and its interleaved rounds, imported from it), limited
 to the bars the engine must hold: a real ``Trainer.fit`` of the 25M-parameter MLP (AdamW, default
 monitoring) pinned on 1%, 20% and 50% of every weight, against the unpinned fit of the same rounds
 (goals 1.05, 1.10, 1.15), and a plain loop over 4M parameters as 256 square Linear layers with 1% of
-every weight pinned (AdamW foreach and for-loop, goal 1.05). Read it over several runs on a quiet
-machine: a single round on a shared one moves by more than the goals' margins.
+every weight pinned (AdamW foreach and for-loop, goal 1.05). Beside each bar, its floor: the same pins
+written bare with the index kernels the engine runs (bench.RawIndexPins, bench.RawPins), so that the
+engine's step over the floor's says what lightning-pin adds above torch's kernels. Read it over several
+runs on a quiet machine: a single round on a shared one moves by more than the goals' margins.
 """
 
 from __future__ import annotations
