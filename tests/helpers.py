@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import math
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import lightning as L
 import torch
@@ -156,3 +160,12 @@ def first_label_is_zero(batch, batch_idx) -> bool:
     """A per-batch `when` that DDP ranks answer differently (their data differ); importable by
     path as ``"helpers.first_label_is_zero"`` in spawned processes."""
     return bool(batch[1][0] == 0)
+
+
+def benchmark(name: str) -> ModuleType:
+    """The module ``benchmarks/<name>.py`` (the benchmarks folder is not a package)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)

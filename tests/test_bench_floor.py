@@ -4,24 +4,17 @@ over its floor" would compare unlike work. No timing is asserted (the machines a
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import lightning as L
 import pytest
 import torch
 
+from helpers import benchmark
 from lightning_pin import Pin, pin
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    try:
-        import bench
-    finally:
-        sys.path.pop(0)
-    return bench
+    return benchmark("bench")
 
 
 def test_raw_pins_take_the_engines_positions_and_hold_its_targets(bench):

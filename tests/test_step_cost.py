@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import trainer
+from helpers import benchmark, trainer
 from lightning_pin import Pin, PinCallback, pin
 from lightning_pin.core import sharding
 
@@ -271,15 +271,7 @@ def test_indices_above_the_wide_limit_are_widened_per_call_and_still_hold(monkey
 
 
 def _step_calls():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    try:
-        import step_calls
-    finally:
-        sys.path.pop(0)
-    return step_calls
+    return benchmark("step_calls")
 
 
 @pytest.mark.parametrize("kind", ["value", "stuck bits", "bounds", "quantized codes", "neurons"])
