@@ -233,6 +233,14 @@ def _mask_of(model: MLP, name: str, fraction: float) -> torch.Tensor:
     return mask.view_as(parameter)
 
 
+def pinned_positions(model: nn.Module, name: str, fraction: float) -> tuple[nn.Parameter, torch.Tensor, torch.Tensor]:
+    """``(parameter, int64 positions, targets)`` of ``fraction`` of ``name``'s elements with seed 0: the
+    elements ``Pin(name, fraction=fraction, seed=0)`` selects, and the values they hold now."""
+    parameter = model.get_parameter(name)
+    index = fraction_indices(name, parameter.numel(), fraction, 0).long()
+    return parameter, index, parameter.detach().reshape(-1)[index].clone()
+
+
 def weight_names(model: MLP) -> list[str]:
     return [f"layers.{i}.weight" for i in range(len(model.layers))]
 
@@ -270,11 +278,7 @@ class RawIndexPins(L.Callback):
     monitoring. A pinned fit over this one's is what lightning-pin adds above the kernels."""
 
     def __init__(self, model: MLP, fraction: float) -> None:
-        self.entries = []
-        for name in weight_names(model):
-            parameter = model.get_parameter(name)
-            index = fraction_indices(name, parameter.numel(), fraction, 0).long()
-            self.entries.append((parameter, index, parameter.detach().reshape(-1)[index].clone()))
+        self.entries = [pinned_positions(model, name, fraction) for name in weight_names(model)]
         self.parked = False
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -303,11 +307,7 @@ class ResetEveryN(L.Callback):
 
     def __init__(self, model: MLP, fraction: float, every: int) -> None:
         self.every = every
-        self.entries = []
-        for name in weight_names(model):
-            parameter = model.get_parameter(name)
-            index = fraction_indices(name, parameter.numel(), fraction, 0)
-            self.entries.append((parameter, index, parameter.detach().view(-1)[index].clone()))
+        self.entries = [pinned_positions(model, name, fraction) for name in weight_names(model)]
         self.worst_drift = 0.0
 
     @torch.no_grad()
@@ -623,12 +623,10 @@ class RawPins:
     engine's step over this one's is what lightning-pin adds above torch's kernels."""
 
     def __init__(self, model: nn.Module, names: list[str], fraction: float, optimizer: torch.optim.Optimizer) -> None:
-        self.entries = []
-        for name in names:
-            parameter = model.get_parameter(name)
-            index = fraction_indices(name, parameter.numel(), fraction, 0).long()
-            targets = parameter.detach().reshape(-1)[index].clone()
-            self.entries.append((parameter, index, targets, torch.zeros_like(targets)))
+        self.entries = [
+            (parameter, index, targets, torch.zeros_like(targets))
+            for parameter, index, targets in (pinned_positions(model, name, fraction) for name in names)
+        ]
         self.handles = [optimizer.register_step_pre_hook(self._mask), optimizer.register_step_post_hook(self._restore)]
 
     def _mask(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
